@@ -1,0 +1,16 @@
+"""minifsdp: fully sharded data parallel training, built up chapter by chapter.
+
+    from minifsdp import launch, DistributedDataParallel, MemoryMeter, comm
+"""
+
+from minifsdp import analytic, comm
+from minifsdp.ddp import DDP, DistributedDataParallel, all_reduce_by_parts
+from minifsdp.launch import RankFailedError, current_device, launch
+from minifsdp.meter import MemoryMeter
+from minifsdp.models import GPTConfig, TinyGPT, ToyModel, gpt_batch, toy_batch
+
+__version__ = "0.1.0"
+
+__all__ = ["DDP", "DistributedDataParallel", "GPTConfig", "MemoryMeter", "RankFailedError", "TinyGPT",
+           "ToyModel", "all_reduce_by_parts", "analytic", "comm", "current_device", "gpt_batch", "launch",
+           "toy_batch"]

@@ -1,0 +1,60 @@
+"""The command line:
+
+    python -m minifsdp tour [--world-size 2] [--steps 5] [--device cpu]   every strategy, side by side
+    python -m minifsdp demo [--world-size 3]                                all-reduce = reduce-scatter + all-gather
+    python -m minifsdp student OUT_DIR                                      a student copy, solutions removed
+    python -m minifsdp grade [PATH]                                         run each chapter's tests, print a score
+
+`minifsdp ...` (the console script) is the same. The tour also runs under torchrun:
+
+    torchrun --nproc-per-node 2 -m minifsdp tour
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="minifsdp", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    tour = sub.add_parser("tour", help="train the tiny GPT under every strategy and compare them")
+    tour.add_argument("--world-size", type=int, default=2)
+    tour.add_argument("--steps", type=int, default=5)
+    tour.add_argument("--device", default="cpu", choices=["auto", "cpu", "cuda"])
+    tour.add_argument("--plot", default="tour_memory.png", help="where to write the memory plot (PNG)")
+    tour.add_argument("--markdown", default=None, help="also write the tables as Markdown to this file")
+
+    demo = sub.add_parser("demo", help="all-reduce built from reduce-scatter + all-gather, checked")
+    demo.add_argument("--world-size", type=int, default=3)
+
+    student = sub.add_parser("student", help="write a student copy with the exercise solutions removed")
+    student.add_argument("out_dir")
+    student.add_argument("--only", default=None, help="remove just this exercise (e.g. 1.2)")
+
+    grade = sub.add_parser("grade", help="run each chapter's tests and print a per-chapter score")
+    grade.add_argument("path", nargs="?", default=".", help="the project (or student copy) to grade")
+
+    args = parser.parse_args(argv)
+    if args.command == "tour":
+        from minifsdp.tour import run_tour
+        run_tour(world_size=args.world_size, steps=args.steps, device=args.device, plot=args.plot,
+                 markdown=args.markdown)
+    elif args.command == "demo":
+        from minifsdp.ddp import demo_all_reduce_by_parts
+        from minifsdp.launch import launch
+        for r in launch(demo_all_reduce_by_parts, world_size=args.world_size, device="cpu"):
+            print(r)
+    elif args.command == "student":
+        from minifsdp.course import write_student_copy
+        write_student_copy(".", args.out_dir, only=args.only)
+    elif args.command == "grade":
+        from minifsdp.course import grade
+        return grade(args.path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

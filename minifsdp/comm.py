@@ -1,0 +1,213 @@
+"""The one place minifsdp talks: every collective in the package goes through this module.
+
+Going through one door lets us count what crosses it. For each collective we add the *logical* bytes one
+rank sends in a bandwidth-optimal ring implementation, so the figures are the same on gloo, NCCL or a
+fake process group, and can be checked against the formulas of the ZeRO paper (SPEC, "Measurement"):
+
+    all_reduce      of S bytes          2 * S * (N-1)/N     (= reduce_scatter + all_gather)
+    reduce_scatter  of S bytes in       S * (N-1)/N
+    all_gather      of S bytes out      S * (N-1)/N
+    broadcast/reduce of S bytes         S * (N-1)/N         (a pipelined ring: N-1 hops of S, over N ranks)
+
+    with comm.counting() as counter:
+        train_step()
+    counter.bytes["all_reduce"], counter.total()
+
+A counter can also record each collective's issue and completion times, for timelines.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import pickle
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+ReduceOp = dist.ReduceOp
+
+
+class NoProcessGroupError(RuntimeError):
+    pass
+
+
+def require_process_group() -> None:
+    if not (dist.is_available() and dist.is_initialized()):
+        raise NoProcessGroupError(
+            "minifsdp needs a process group, and none is initialized in this process. Start ranks with "
+            "minifsdp.launch(fn, world_size=N) (or run under torchrun and call minifsdp.launch there), "
+            "or call torch.distributed.init_process_group(...) yourself first.")
+
+
+def world_size() -> int:
+    require_process_group()
+    return dist.get_world_size()
+
+
+def rank() -> int:
+    require_process_group()
+    return dist.get_rank()
+
+
+def ring_bytes(kind: str, nbytes: int, n: int) -> float:
+    """Bytes one rank sends for a collective over `nbytes` (the full, unsharded size) on a ring of n ranks."""
+    if kind == "all_reduce":
+        return 2 * nbytes * (n - 1) / n
+    if kind in ("reduce_scatter", "all_gather", "broadcast", "reduce"):
+        return nbytes * (n - 1) / n
+    raise ValueError(f"unknown collective {kind!r}")
+
+
+@dataclass
+class CommEvent:
+    kind: str
+    nbytes: float  # logical bytes this rank sends
+    issued: float  # time.perf_counter() when the call was made
+    done: float = float("nan")  # ... and when it was known complete (sync: on return; async: on wait())
+    tag: str = ""
+
+
+@dataclass
+class CommCounter:
+    """Bytes sent and calls made by this rank, per collective kind."""
+    bytes: dict = field(default_factory=lambda: defaultdict(float))
+    calls: dict = field(default_factory=lambda: defaultdict(int))
+    record: bool = False
+    events: list = field(default_factory=list)
+
+    def total(self) -> float:
+        return sum(self.bytes.values())
+
+
+_active: list[CommCounter] = []
+
+
+@contextlib.contextmanager
+def counting(record: bool = False):
+    """Count (and optionally record) every collective this rank makes inside the block. Counters nest."""
+    counter = CommCounter(record=record)
+    _active.append(counter)
+    try:
+        yield counter
+    finally:
+        _active.remove(counter)
+
+
+class Handle:
+    """What an async collective returns: wait() blocks until it is done (and stamps its completion time)."""
+
+    def __init__(self, work, events):
+        self._work, self._events = work, events
+
+    def wait(self) -> None:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+            now = time.perf_counter()
+            for e in self._events:
+                e.done = now
+
+    def is_completed(self) -> bool:
+        return self._work is None or self._work.is_completed()
+
+
+def _issue(kind: str, nbytes: int, call, async_op: bool, tag: str):
+    """Count, call, and (for a blocking call) wait: the bookkeeping every collective shares."""
+    n = world_size()
+    sent = ring_bytes(kind, nbytes, n) if kind != "object" else nbytes * (n - 1)
+    events = []
+    for c in _active:
+        c.bytes[kind] += sent
+        c.calls[kind] += 1
+        if c.record:
+            events.append(CommEvent(kind, sent, time.perf_counter(), tag=tag))
+            c.events.append(events[-1])
+    handle = Handle(call(async_op=True), events)
+    if async_op:
+        return handle
+    handle.wait()
+    return None
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, async_op: bool = False, tag: str = ""):
+    """Every rank ends with the reduction (sum by default) of every rank's `tensor`, in place."""
+    return _issue("all_reduce", _nbytes(tensor),
+                  lambda async_op: dist.all_reduce(tensor, op=op, async_op=async_op), async_op, tag)
+
+
+def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op=ReduceOp.SUM, async_op: bool = False,
+                   tag: str = ""):
+    """Rank r gets chunk r of the reduction of every rank's `input` (len(input) = N * len(output))."""
+    return _issue("reduce_scatter", _nbytes(input),
+                  lambda async_op: dist.reduce_scatter_single(output, input, op=op, async_op=async_op),
+                  async_op, tag)
+
+
+def all_gather(output: torch.Tensor, input: torch.Tensor, async_op: bool = False, tag: str = ""):
+    """`output` becomes every rank's `input`, concatenated in rank order (len(output) = N * len(input))."""
+    return _issue("all_gather", _nbytes(output),
+                  lambda async_op: dist.all_gather_single(output, input, async_op=async_op), async_op, tag)
+
+
+def broadcast(tensor: torch.Tensor, src: int = 0, async_op: bool = False, tag: str = ""):
+    """Every rank's `tensor` becomes rank `src`'s."""
+    return _issue("broadcast", _nbytes(tensor),
+                  lambda async_op: dist.broadcast(tensor, src=src, async_op=async_op), async_op, tag)
+
+
+def reduce(tensor: torch.Tensor, dst: int, op=ReduceOp.SUM, async_op: bool = False, tag: str = ""):
+    """Rank `dst`'s `tensor` becomes the reduction of every rank's; the others' are left undefined."""
+    return _issue("reduce", _nbytes(tensor),
+                  lambda async_op: dist.reduce(tensor, dst=dst, op=op, async_op=async_op), async_op, tag)
+
+
+def all_gather_object(obj) -> list:
+    """Every rank's (picklable) `obj`, in rank order. For small metadata, counted under 'object'."""
+    out = [None] * world_size()
+
+    class _Done:  # all_gather_object has no async form; this stands in for its finished work
+        def wait(self):
+            pass
+
+        def is_completed(self):
+            return True
+
+    def call(async_op):
+        dist.all_gather_object(out, obj)
+        return _Done()
+
+    _issue("object", len(pickle.dumps(obj)), call, async_op=False, tag="")
+    return out
+
+
+def barrier() -> None:
+    require_process_group()
+    dist.barrier()
+
+
+def assert_same_across_ranks(named_tensors, what: str = "parameter") -> None:
+    """Raise on every rank, naming the first tensor whose shape or dtype differs between ranks.
+
+    Sharding code that silently trusts the shapes would hang in a collective of mismatched sizes, or
+    worse, mix up slices; checking once at construction turns that into an error that names the tensor.
+    """
+    mine = [(name, tuple(t.shape), str(t.dtype)) for name, t in named_tensors]
+    me = rank()
+    for other, theirs in enumerate(all_gather_object(mine)):
+        if theirs == mine:
+            continue
+        for i in range(max(len(mine), len(theirs))):
+            a = mine[i] if i < len(mine) else None
+            b = theirs[i] if i < len(theirs) else None
+            if a != b:
+                name = (a or b)[0]
+                raise ValueError(f"{what} {name!r} differs across ranks: {a[1:] if a else 'missing'} on rank "
+                                 f"{me}, {b[1:] if b else 'missing'} on rank {other}. Every rank must build the "
+                                 f"same model (same code, same config).")

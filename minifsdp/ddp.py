@@ -1,0 +1,247 @@
+"""Chapter 1: collectives, and DistributedDataParallel from scratch.
+
+Data parallelism in one sentence: every rank holds the whole model, runs forward and backward on its own
+slice of the batch, and before the optimizer steps the gradients are averaged across ranks, so every
+replica takes the same step and they stay identical.
+
+    model = DistributedDataParallel(TinyGPT(), bucket_cap_mb=25)
+    loss = model(x, y); loss.backward()       # gradients are averaged when backward() returns
+    optimizer.step()
+
+Averaging is one all-reduce. Done naively (after backward, one collective per parameter) the network
+sits idle during backward and then the GPU sits idle during the network. So, as torch's DDP does:
+- parameters are grouped into *buckets* of about `bucket_cap_mb`, in reverse order of registration
+  (roughly the order their gradients are produced by backward);
+- a hook on each parameter notices its gradient is ready; when a bucket is complete its all-reduce is
+  launched asynchronously, and backward carries on computing the earlier layers meanwhile (overlap);
+- when backward finishes, we wait for the outstanding all-reduces and copy the averages back into .grad.
+
+Run the chapter's demonstration (all-reduce = reduce-scatter + all-gather) on 3 CPU ranks:
+
+    python -m minifsdp demo --world-size 3
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn as nn
+from torch.utils._pytree import tree_leaves
+
+from minifsdp import comm
+
+
+def all_reduce_by_parts(tensor: torch.Tensor) -> torch.Tensor:
+    """An all-reduce (sum) built from its two halves: reduce-scatter, then all-gather.
+
+    Each rank ends the reduce-scatter owning the sum of one 1/N chunk; the all-gather hands every rank
+    every chunk. Each half sends (N-1)/N of the data per rank, so together 2(N-1)/N: exactly what a ring
+    all-reduce costs. ZeRO is this observation put to work: stop after the first half and each rank holds
+    the reduced gradients of just its own shard.
+    """
+    n = comm.world_size()
+    flat = tensor.reshape(-1)
+    # BEGIN EXERCISE 1.1: all-reduce = reduce-scatter + all-gather (pad so the length divides by N)
+    chunk = -(-flat.numel() // n)  # ceil: pad so every rank's chunk has the same size
+    padded = torch.zeros(chunk * n, dtype=flat.dtype, device=flat.device)
+    padded[: flat.numel()] = flat
+    mine = torch.empty(chunk, dtype=flat.dtype, device=flat.device)
+    comm.reduce_scatter(mine, padded)
+    comm.all_gather(padded, mine)
+    result = padded[: flat.numel()]
+    # END EXERCISE
+    return result.view_as(tensor)
+
+
+class _Bucket:
+    """Parameters whose gradients are all-reduced together as one flat tensor."""
+
+    def __init__(self, params: list[nn.Parameter]):
+        self.params = params
+        self.numel = sum(p.numel() for p in params)
+        self.ready = 0           # how many of `params` have their gradient for this backward
+        self.handle = None       # the async all-reduce in flight
+        self.flat = None         # ... and the tensor it reduces
+
+
+class DistributedDataParallel(nn.Module):
+    """Replicated data parallelism: torch.nn.parallel.DistributedDataParallel's behaviour, readably.
+
+    module:                 built identically on every rank; rank 0's parameters and buffers are
+                            broadcast at construction, so every replica starts from the same weights.
+    bucket_cap_mb:          size of a gradient bucket; smaller buckets start communicating earlier,
+                            bigger ones make fewer, more efficient calls.
+    broadcast_buffers:      re-broadcast rank 0's buffers (e.g. BatchNorm statistics) before each forward.
+    find_unused_parameters: set it when some parameters may get no gradient in a step; their buckets
+                            would otherwise never complete, and we raise instead of waiting forever.
+    """
+
+    def __init__(self, module: nn.Module, bucket_cap_mb: float = 25.0, broadcast_buffers: bool = True,
+                 find_unused_parameters: bool = False):
+        super().__init__()
+        comm.require_process_group()
+        self.module = module
+        self.broadcast_buffers = broadcast_buffers
+        self.find_unused_parameters = find_unused_parameters
+        self.require_backward_grad_sync = True
+        self.world_size = comm.world_size()
+        comm.assert_same_across_ranks(list(module.named_parameters()) + list(module.named_buffers()))
+        with torch.no_grad():
+            for t in list(module.parameters()) + list(module.buffers()):
+                comm.broadcast(t, src=0)
+
+        self._names = {p: n for n, p in module.named_parameters()}
+        params = [p for p in module.parameters() if p.requires_grad]  # frozen ones never communicate
+        self._cap = int(bucket_cap_mb * 1024 * 1024)
+        # Until we have seen a backward pass, guess that gradients arrive in reverse registration order
+        # (torch's guess too, and like torch keep registration order inside each bucket).
+        self._set_buckets([bucket[::-1] for bucket in _pack(params[::-1], self._cap)])
+        # After the first backward, rebuild the buckets in the order gradients really arrived, as torch
+        # does -- unless some parameters may be unused, when that order can differ between ranks.
+        self._arrivals, self._rebuilt = [], find_unused_parameters
+        self._next = 0                # buckets are launched strictly in order: same order on every rank
+        self._finish_queued = False
+        self._unused = set()
+        for p in params:
+            p.register_post_accumulate_grad_hook(self._on_grad_ready)
+
+    def _set_buckets(self, groups: list[list[nn.Parameter]]) -> None:
+        self._buckets = [_Bucket(g) for g in groups]
+        self._bucket_of = {p: b for b in self._buckets for p in b.params}
+
+    # -- forward: prepare the bookkeeping for the coming backward ------------------------------------------
+    def forward(self, *args, **kwargs):
+        if self.broadcast_buffers:
+            with torch.no_grad():
+                for b in self.module.buffers():
+                    comm.broadcast(b, src=0)
+        out = self.module(*args, **kwargs)
+        if torch.is_grad_enabled() and self.require_backward_grad_sync:
+            for b in self._buckets:
+                b.ready = 0
+            self._next = 0
+            self._unused = set()
+            if self.find_unused_parameters:
+                # Parameters the autograd graph cannot reach will get no gradient: count them ready now,
+                # so every rank still completes and launches every bucket, in the same order.
+                self._unused = set(self._bucket_of) - _params_reached_from(out)
+                for p in self._unused:
+                    self._bucket_of[p].ready += 1
+        return out
+
+    # -- backward: hooks fire as gradients land ------------------------------------------------------------
+    def _on_grad_ready(self, p: nn.Parameter) -> None:
+        if not self.require_backward_grad_sync:
+            return  # inside no_sync(): let gradients accumulate locally
+        if not self._finish_queued:
+            # Runs once the whole backward pass is done, on the same thread, before backward() returns.
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+            self._finish_queued = True
+        if not self._rebuilt:
+            self._arrivals.append(p)
+        self._bucket_of[p].ready += 1
+        self._launch_ready_buckets()
+
+    def _launch_ready_buckets(self) -> None:
+        while self._next < len(self._buckets) and \
+                self._buckets[self._next].ready == len(self._buckets[self._next].params):
+            bucket = self._buckets[self._next]
+            # BEGIN EXERCISE 1.2: flatten the bucket's gradients, average them with an async all-reduce
+            bucket.flat = torch.cat([_grad_or_zeros(p).reshape(-1) for p in bucket.params])
+            # Average by multiplying by 1/N before the sum, exactly as torch's DDP does while filling its
+            # buckets: the same rounding, so the same bits. (x * (1/3) and x / 3 can differ in the last bit.)
+            bucket.flat.mul_(1.0 / self.world_size)
+            bucket.handle = comm.all_reduce(bucket.flat, async_op=True, tag=f"bucket{self._next}")
+            # END EXERCISE
+            self._next += 1
+
+    def _finish(self) -> None:
+        """End of backward: every bucket must have been launched; wait for them and write .grad back."""
+        self._finish_queued = False
+        if self._next < len(self._buckets):
+            missing = [self._names[p] for b in self._buckets[self._next:] for p in b.params if p.grad is None]
+            raise RuntimeError(
+                f"DistributedDataParallel: these parameters received no gradient in this backward pass, so "
+                f"their buckets could never be reduced: {missing}. If some parameters are legitimately unused "
+                f"in a step, pass find_unused_parameters=True.")
+        globally_used = self._globally_used() if self.find_unused_parameters else None
+        for bucket in self._buckets:
+            # BEGIN EXERCISE 1.3: wait for the bucket's all-reduce and copy the averages back into .grad
+            bucket.handle.wait()
+            offset = 0
+            for p in bucket.params:
+                average = bucket.flat[offset: offset + p.numel()].view_as(p)
+                offset += p.numel()
+                if p.grad is not None:
+                    p.grad.copy_(average)
+                elif globally_used is None or globally_used[p]:
+                    p.grad = average.clone()  # unused here, used elsewhere: it gets the average
+            # END EXERCISE
+            bucket.handle = bucket.flat = None
+        if not self._rebuilt:
+            self._set_buckets(_pack(self._arrivals, self._cap))
+            self._rebuilt = True
+
+    def _globally_used(self) -> dict:
+        """Which parameters got a gradient on at least one rank (one small all-reduce, as torch does)."""
+        params = list(self._bucket_of)
+        used = torch.tensor([0.0 if p in self._unused else 1.0 for p in params])
+        comm.all_reduce(used, tag="used_map")
+        return {p: bool(u > 0) for p, u in zip(params, used)}
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate gradients locally (no communication) for the backward passes inside this block."""
+        previous, self.require_backward_grad_sync = self.require_backward_grad_sync, False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = previous
+
+
+DDP = DistributedDataParallel
+
+
+def _pack(params: list[nn.Parameter], cap_bytes: int) -> list[list[nn.Parameter]]:
+    """Cut `params`, in order, into consecutive groups of at most `cap_bytes` (at least one param each)."""
+    groups, size = [], 0
+    for p in params:
+        nbytes = p.numel() * p.element_size()
+        if not groups or size + nbytes > cap_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(p)
+        size += nbytes
+    return groups
+
+
+def _grad_or_zeros(p: nn.Parameter) -> torch.Tensor:
+    return p.grad if p.grad is not None else torch.zeros_like(p)
+
+
+def _params_reached_from(output) -> set:
+    """Leaf parameters the autograd graph of `output` reaches (what torch's find_unused_parameters does)."""
+    stack = [t.grad_fn for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    seen, found = set(), set()
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        if hasattr(fn, "variable"):  # an AccumulateGrad node: the end of the line for one leaf
+            found.add(fn.variable)
+        stack.extend(next_fn for next_fn, _ in fn.next_functions)
+    return found
+
+
+def demo_all_reduce_by_parts() -> dict:
+    """Each rank contributes (rank+1) * [1, 2, ..., 7]; both ways must give the same sum."""
+    x = (comm.rank() + 1) * torch.arange(1.0, 8.0)
+    expected = x.clone()
+    with comm.counting() as direct:
+        comm.all_reduce(expected)
+    with comm.counting() as parts:
+        result = all_reduce_by_parts(x)
+    return {"rank": comm.rank(), "all_reduce": expected.tolist(), "by_parts": result.tolist(),
+            "bytes_all_reduce": direct.total(), "bytes_by_parts": dict(parts.bytes)}

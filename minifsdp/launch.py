@@ -1,0 +1,227 @@
+"""Start N ranks: the one place minifsdp launches processes.
+
+From Python (a test, a notebook cell, a script):
+
+    from minifsdp import launch
+    results = launch(work, world_size=2)        # one process per rank, CPU + gloo by default
+    results[0]                                  # what rank 0's work(...) returned
+
+From the command line the same code runs under torchrun, which starts the processes itself:
+
+    torchrun --nproc-per-node 2 -m minifsdp tour
+
+`launch` notices torchrun's environment (RANK, WORLD_SIZE, ...) and runs `work` in place on each rank.
+
+Failure is loud and bounded: every collective has a timeout, and when one rank raises, the launcher
+stops the others (each prints which rank it is stopping for) and raises `RankFailedError` with the
+failed rank's traceback. Nothing waits forever.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import pickle
+import signal
+import socket
+import sys
+import tempfile
+import time
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_TIMEOUT = 60.0  # seconds any one collective may wait for its peers
+
+
+class RankFailedError(RuntimeError):
+    """A rank raised (or died); `rank` is the first one that did, `remote_traceback` its traceback."""
+
+    def __init__(self, rank: int, message: str, remote_traceback: str = ""):
+        self.rank, self.remote_traceback = rank, remote_traceback
+        super().__init__(f"rank {rank} failed: {message}\n\n--- traceback from rank {rank} ---\n{remote_traceback}")
+
+
+def resolve_device(device: str, world_size: int) -> str:
+    """'auto' means one GPU per rank when there are enough GPUs, else the CPU."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= world_size else "cpu"
+    if device == "cuda" and torch.cuda.device_count() < world_size:
+        raise ValueError(f"device='cuda' needs one GPU per rank: world_size={world_size}, "
+                         f"but {torch.cuda.device_count()} GPU(s) are visible")
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', not {device!r}")
+    return device
+
+
+def current_device() -> torch.device:
+    """This rank's device: cuda:LOCAL_RANK under NCCL, else the CPU."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _under_torchrun() -> bool:
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def init_process_group(rank: int, world_size: int, device: str, timeout: float = DEFAULT_TIMEOUT,
+                       init_method: str = "env://") -> None:
+    """Join the group: gloo for the CPU, NCCL for GPUs (one per rank), with a timeout on every collective."""
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    else:
+        # Ranks share the machine's cores; giving each all of them makes every rank slower.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=init_method, rank=rank,
+                            world_size=world_size, timeout=datetime.timedelta(seconds=timeout))
+
+
+def launch(work: Callable[..., Any], world_size: int = 2, *, args: tuple = (), kwargs: dict | None = None,
+           device: str = "auto", timeout: float = DEFAULT_TIMEOUT, backend: str | None = None) -> list[Any]:
+    """Run `work(*args, **kwargs)` on `world_size` ranks and return each rank's result, indexed by rank.
+
+    device:  'auto' (GPUs if there is one per rank, else CPU), 'cpu' (gloo) or 'cuda' (NCCL).
+    timeout: seconds a collective may wait before it raises instead of hanging.
+    backend: 'fake' runs only rank 0 of world_size, in this process, with a process group whose
+             collectives move no data -- for measuring one rank of a job larger than the machine.
+    """
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
+    kwargs = kwargs or {}
+    if backend == "fake":
+        return [_run_fake(work, world_size, args, kwargs)]
+    if backend is not None:
+        raise ValueError(f"backend must be None (chosen from the device) or 'fake', not {backend!r}")
+    if dist.is_initialized() or _under_torchrun():
+        return _run_in_place(work, world_size, args, kwargs, device, timeout)
+    return _spawn(work, world_size, args, kwargs, resolve_device(device, world_size), timeout)
+
+
+def _run_fake(work, world_size, args, kwargs):
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the 'fake' backend
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        return work(*args, **kwargs)
+    finally:
+        dist.destroy_process_group()
+
+
+def _run_in_place(work, world_size, args, kwargs, device, timeout):
+    """Under torchrun every rank is already a process: join the group (if needed), run, share results."""
+    owns_group = not dist.is_initialized()
+    if owns_group:
+        env_world = int(os.environ["WORLD_SIZE"])
+        init_process_group(int(os.environ["RANK"]), env_world, resolve_device(device, env_world), timeout)
+    if dist.get_world_size() != world_size:
+        raise ValueError(f"launch(world_size={world_size}) inside a group of {dist.get_world_size()} ranks; "
+                         f"pass world_size={dist.get_world_size()} or start torchrun with --nproc-per-node "
+                         f"{world_size}")
+    try:
+        result = work(*args, **kwargs)
+        results = [None] * world_size
+        dist.all_gather_object(results, result)
+        return results
+    finally:
+        if owns_group:
+            dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank, world_size, device, port, work, args, kwargs, timeout, out_dir, failed_rank):
+    """Body of one spawned process: join the group, run the work, leave a result (or a traceback) behind."""
+
+    def stop(signum, frame):  # the launcher stops us because another rank failed
+        print(f"[minifsdp] rank {rank}: stopping because rank {failed_rank.value} failed", file=sys.stderr,
+              flush=True)
+        os._exit(1)
+
+    signal.signal(signal.SIGTERM, stop)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    path = os.path.join(out_dir, f"rank{rank}.pkl")
+    try:
+        init_process_group(rank, world_size, device, timeout)
+        result = work(*args, **kwargs)
+        with open(path + ".tmp", "wb") as f:
+            pickle.dump(("ok", result), f)
+        os.replace(path + ".tmp", path)  # the launcher only ever sees a whole file
+    except BaseException as e:  # noqa: BLE001 -- every failure must reach the launcher
+        with open(path + ".tmp", "wb") as f:
+            pickle.dump(("error", f"{type(e).__name__}: {e}", traceback.format_exc(), time.time()), f)
+        os.replace(path + ".tmp", path)
+        sys.stderr.flush()
+        os._exit(1)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _start_method(work) -> str:
+    """spawn is the safe default; a function typed into a notebook can't be imported by a fresh process, so fork."""
+    main = sys.modules.get("__main__")
+    interactive = getattr(work, "__module__", None) == "__main__" and not hasattr(main, "__file__")
+    return "fork" if interactive else "spawn"
+
+
+def _spawn(work, world_size, args, kwargs, device, timeout):
+    ctx = mp.get_context(_start_method(work))
+    failed_rank = ctx.Value("i", -1)
+    port = _free_port()
+    with tempfile.TemporaryDirectory(prefix="minifsdp-") as out_dir:
+        procs = [ctx.Process(target=_rank_main, daemon=True, name=f"minifsdp-rank{r}",
+                             args=(r, world_size, device, port, work, args, kwargs, timeout, out_dir, failed_rank))
+                 for r in range(world_size)]
+        for p in procs:
+            p.start()
+        try:
+            while any(p.is_alive() for p in procs):
+                if any(p.exitcode not in (None, 0) for p in procs):
+                    break
+                time.sleep(0.02)
+            failures = _failures(procs, out_dir)
+            if failures:
+                rank, message, tb = min(failures)[1:]
+                failed_rank.value = rank
+                for p in procs:
+                    if p.is_alive():
+                        p.terminate()
+                for p in procs:
+                    p.join(timeout=10)
+                raise RankFailedError(rank, message, tb)
+            results = []
+            for r in range(world_size):
+                with open(os.path.join(out_dir, f"rank{r}.pkl"), "rb") as f:
+                    results.append(pickle.load(f)[1])
+            return results
+        finally:
+            for p in procs:  # e.g. KeyboardInterrupt in the launcher: never leave ranks behind
+                if p.is_alive():
+                    p.kill()
+                p.join()
+
+
+def _failures(procs, out_dir):
+    """(time, rank, message, traceback) of each failed rank; the earliest is the cause, the rest its echoes."""
+    time.sleep(0.2)  # the first failure takes its peers down within moments; let their reports land
+    found = []
+    for r, p in enumerate(procs):
+        if p.exitcode in (None, 0):
+            continue
+        path = os.path.join(out_dir, f"rank{r}.pkl")
+        if os.path.exists(path):
+            with open(path, "rb") as f:
+                status, message, tb, when = pickle.load(f)
+            found.append((when, r, message, tb))
+        else:
+            found.append((float("inf"), r, f"process died with exit code {p.exitcode}", ""))
+    return found

@@ -1,0 +1,170 @@
+"""The one place minifsdp measures memory: per-rank live and peak bytes, split by category.
+
+    meter = MemoryMeter(model, optimizer)
+    with meter:
+        loss = model(x).sum(); loss.backward(); optimizer.step()
+        meter.snapshot("after step")
+    meter.peak, meter.peak_by_category, meter.snapshots["after step"]
+
+How it measures:
+- Everywhere (CPU, CUDA, meta tensors) it *tracks tensor storages*: inside the `with` block every op's
+  output is seen by a TorchDispatchMode; each new storage is added to a running total, and a weak
+  reference tells us the moment the storage is freed, so the total is always the live bytes and its
+  maximum is the peak. Storages that existed before (the model, the optimizer state) are added when the
+  meter is given the model and optimizer.
+- On CUDA the caching allocator also reports its own numbers (`max_memory_allocated`, `num_alloc_retries`),
+  which include what the tracker cannot see (workspaces, fragmentation): they are the truth there.
+
+Categories: params, grads (the `.grad` of watched params), optim (tensors in optimizer.state) and other
+(activations, temporaries, communication buffers). A storage is re-labelled the moment it becomes a
+gradient or optimizer state (hooks), so the split at the peak is right too.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import defaultdict
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+CATEGORIES = ("params", "grads", "optim", "other")
+
+
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind `tensors` (views and shared weights are counted once)."""
+    seen = {}
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            s = t.untyped_storage()
+            seen[id(s)] = s.nbytes()
+    return sum(seen.values())
+
+
+def optimizer_tensors(optimizer) -> list[torch.Tensor]:
+    return [t for state in optimizer.state.values() for t in tree_leaves(state) if isinstance(t, torch.Tensor)]
+
+
+class _Tracker(TorchDispatchMode):
+    """Sees every op's outputs and reports new storages to the meter."""
+
+    def __init__(self, meter):
+        super().__init__()
+        self.meter = meter
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.meter._track(t.untyped_storage(), "other")
+        return out
+
+
+class MemoryMeter:
+    def __init__(self, model: torch.nn.Module | None = None, optimizer=None):
+        self._live: dict[int, list] = {}  # id(storage) -> [nbytes, category, weakref]
+        self._by_cat = defaultdict(int)
+        self._hooks = []
+        self._models, self._optimizers = [], []
+        self.peak = 0
+        self.peak_by_category = {c: 0 for c in CATEGORIES}
+        self.snapshots: dict[str, dict[str, int]] = {}
+        self._mode = None
+        if model is not None:
+            self.watch_model(model)
+        if optimizer is not None:
+            self.watch_optimizer(optimizer)
+
+    # -- what we track -------------------------------------------------------------------------------
+    def _track(self, storage, category: str) -> None:
+        key = id(storage)
+        entry = self._live.get(key)
+        if entry is None:
+            nbytes = storage.nbytes()
+            ref = weakref.ref(storage, lambda _, key=key: self._free(key))
+            self._live[key] = entry = [nbytes, category, ref]
+            self._by_cat[category] += nbytes
+        elif entry[1] != category and category != "other":
+            self._by_cat[entry[1]] -= entry[0]  # e.g. an autograd output that just became p.grad
+            self._by_cat[category] += entry[0]
+            entry[1] = category
+        self._update_peak()
+
+    def _free(self, key: int) -> None:
+        entry = self._live.pop(key, None)
+        if entry is not None:
+            self._by_cat[entry[1]] -= entry[0]
+
+    def _update_peak(self) -> None:
+        total = sum(self._by_cat.values())
+        if total > self.peak:
+            self.peak = total
+            self.peak_by_category = {c: self._by_cat[c] for c in CATEGORIES}
+
+    def watch_model(self, model: torch.nn.Module) -> None:
+        self._models.append(model)
+        for p in model.parameters():
+            self._track(p.untyped_storage(), "params")
+            if p.grad is not None:
+                self._track(p.grad.untyped_storage(), "grads")
+            if p.requires_grad:
+                self._hooks.append(p.register_post_accumulate_grad_hook(
+                    lambda p: self._track(p.grad.untyped_storage(), "grads")))
+
+    def watch_optimizer(self, optimizer) -> None:
+        self._optimizers.append(optimizer)
+        self._label_optimizer_state(optimizer)
+        self._hooks.append(optimizer.register_step_post_hook(
+            lambda opt, args, kwargs: self._label_optimizer_state(opt)))
+
+    def _label_optimizer_state(self, optimizer) -> None:
+        for t in optimizer_tensors(optimizer):
+            self._track(t.untyped_storage(), "optim")
+
+    # -- what we report ------------------------------------------------------------------------------
+    def live(self) -> dict[str, int]:
+        """Live bytes by category right now (re-labelled from the watched model and optimizer) and total."""
+        for opt in self._optimizers:
+            self._label_optimizer_state(opt)
+        for m in self._models:
+            for p in m.parameters():
+                if p.grad is not None:
+                    self._track(p.grad.untyped_storage(), "grads")
+        out = {c: self._by_cat[c] for c in CATEGORIES}
+        out["total"] = sum(out.values())
+        return out
+
+    def snapshot(self, label: str) -> dict[str, int]:
+        self.snapshots[label] = snap = self.live()
+        return snap
+
+    def reset_peak(self) -> None:
+        self.peak = 0
+        self._update_peak()
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.reset_peak_memory_stats()
+
+    def allocator_stats(self) -> dict[str, int]:
+        """CUDA only: the caching allocator's own view (bytes), the truth on a GPU."""
+        if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+            return {}
+        s = torch.cuda.memory_stats()
+        return {"allocated": s.get("allocated_bytes.all.current", 0),
+                "max_allocated": s.get("allocated_bytes.all.peak", 0),
+                "num_alloc_retries": s.get("num_alloc_retries", 0)}
+
+    def __enter__(self):
+        self._mode = _Tracker(self)
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._mode.__exit__(*exc)
+        self._mode = None
+        return False
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()

@@ -1,0 +1,138 @@
+"""One training loop for every strategy, so the tour, the tests and the notebooks compare like with like.
+
+A *strategy* turns (model, optimizer factory) into the wrapped model and the optimizer that trains it.
+`train(...)` runs on one rank (inside `launch`), feeds it its slice of a deterministic global batch, and
+returns the final parameters, the losses, what the meter and the counter saw, and the step times.
+The reference strategy "single" trains one process on the whole global batch.
+
+    from minifsdp import launch
+    from minifsdp.train import train
+    ours, = launch(train, world_size=2, kwargs=dict(strategy="ddp", steps=5))[:1]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+from minifsdp import comm
+from minifsdp.ddp import DistributedDataParallel
+from minifsdp.launch import current_device
+from minifsdp.meter import MemoryMeter
+from minifsdp.models import GPTConfig, TinyGPT, ToyModel, gpt_batch, toy_batch
+
+# SGD with momentum as well as AdamW: Adam divides by the gradient's own scale, so it hides a gradient
+# that is off by a factor of N; SGD does not.
+OPTIMIZERS: dict[str, Callable] = {
+    "sgd": lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9),
+    "adamw": lambda params: torch.optim.AdamW(params, lr=3e-3, weight_decay=0.1),
+}
+
+
+def _torch_ddp(model, make_opt, find_unused):
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    wrapped = TorchDDP(model, find_unused_parameters=find_unused)
+    return wrapped, make_opt(wrapped.parameters())
+
+
+def _ours_ddp(model, make_opt, find_unused):
+    wrapped = DistributedDataParallel(model, find_unused_parameters=find_unused)
+    return wrapped, make_opt(wrapped.parameters())
+
+
+# name -> (build(model, make_optimizer, find_unused) -> (model, optimizer), ZeRO stage for the analytic model)
+STRATEGIES: dict[str, tuple[Callable, int]] = {
+    "torch_ddp": (_torch_ddp, 0),
+    "ddp": (_ours_ddp, 0),
+}
+
+
+def build_model(name: str, seed: int, gpt_config: GPTConfig | None = None) -> nn.Module:
+    if name == "gpt":
+        return TinyGPT(gpt_config or GPTConfig(), seed=seed)
+    if name == "toy":
+        return ToyModel(seed=seed)
+    raise ValueError(f"unknown model {name!r}: 'gpt' or 'toy'")
+
+
+def batch(model_name: str, step: int, global_batch: int, rank: int, world_size: int, device,
+          gpt_config: GPTConfig | None = None):
+    """This rank's contiguous slice of the global batch of `step` (the whole batch when world_size is 1)."""
+    if global_batch % world_size:
+        raise ValueError(f"global_batch={global_batch} does not divide by world_size={world_size}")
+    if model_name == "gpt":
+        tensors = gpt_batch(gpt_config or GPTConfig(), step, global_batch, device=device)
+    else:
+        tensors = toy_batch(step, global_batch, device=device)
+    per = global_batch // world_size
+    return tuple(t[rank * per: (rank + 1) * per] for t in tensors)
+
+
+def loss_of(model_name: str, model: nn.Module, tensors) -> torch.Tensor:
+    if model_name == "gpt":
+        x, y = tensors
+        return model(x, y)
+    x, y, mask = tensors
+    return ((model(x, mask) - y) ** 2).mean()
+
+
+def train(strategy: str = "ddp", model: str = "gpt", optimizer: str = "adamw", steps: int = 5,
+          global_batch: int = 12, seed: int = 0, gpt_config: GPTConfig | None = None,
+          set_to_none: str = "always", measure: bool = True, rank_seeds: bool = True) -> dict:
+    """Train on this rank; return what the comparisons need (all tensors on the CPU).
+
+    rank_seeds: build each rank's model from seed + rank, so the result is only right if the strategy
+                really makes the replicas start from rank 0's weights.
+    set_to_none: "always", "never" or "alternate" (zero_grad(set_to_none=...) by step parity).
+    """
+    device = current_device()
+    single = strategy == "single"
+    rank, n = (0, 1) if single else (comm.rank(), comm.world_size())
+    net = build_model(model, seed + (rank if rank_seeds else 0), gpt_config).to(device)
+    make_opt = OPTIMIZERS[optimizer]
+    find_unused = model == "toy"  # the toy model leaves a parameter unused in some steps
+    if single:
+        wrapped, opt = net, make_opt(net.parameters())
+    else:
+        wrapped, opt = STRATEGIES[strategy][0](net, make_opt, find_unused)
+    meter = MemoryMeter(net, opt) if measure else None
+    losses, times = [], []
+    with comm.counting() if not single else contextlib.nullcontext() as counter:
+        for step in range(steps):
+            tensors = batch(model, step, global_batch, rank, n, device, gpt_config)
+            t0 = time.perf_counter()
+            with meter if meter else contextlib.nullcontext():
+                loss = loss_of(model, wrapped, tensors)
+                loss.backward()
+                opt.step()
+                to_none = {"always": True, "never": False, "alternate": step % 2 == 0}[set_to_none]
+                if step == steps - 1 and meter:
+                    meter.snapshot("after step")
+                opt.zero_grad(set_to_none=to_none)
+            times.append(time.perf_counter() - t0)
+            losses.append(loss.item())
+    return {
+        "params": {k: v.detach().cpu().clone() for k, v in net.state_dict().items()},
+        "losses": losses,
+        "step_times": times,
+        "peak": meter.peak if meter else None,
+        "peak_by_category": meter.peak_by_category if meter else None,
+        "after_step": meter.snapshots.get("after step") if meter else None,
+        "comm_bytes": dict(counter.bytes) if counter else {},
+        "comm_calls": dict(counter.calls) if counter else {},
+        "steps": steps,
+        "psi": sum(p.numel() for p in net.parameters()),
+        "world_size": n,
+    }
+
+
+def max_abs_diff(a: dict, b: dict) -> float:
+    """Largest |a - b| over every parameter of two state dicts (0.0 means bit-identical)."""
+    if a.keys() != b.keys():
+        raise ValueError(f"different parameters: {sorted(set(a) ^ set(b))}")
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
