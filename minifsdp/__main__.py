@@ -1,6 +1,7 @@
 """The command line:
 
     python -m minifsdp tour [--world-size 2] [--steps 5] [--device cpu]   every strategy, side by side
+    python -m minifsdp memory [--world-sizes 1 2 3 4]                       chapter 2: DDP memory vs the model
     python -m minifsdp demo [--world-size 3]                                all-reduce = reduce-scatter + all-gather
     python -m minifsdp student OUT_DIR                                      a student copy, solutions removed
     python -m minifsdp grade [PATH]                                         run each chapter's tests, print a score
@@ -27,6 +28,12 @@ def main(argv: list[str] | None = None) -> int:
     tour.add_argument("--plot", default="tour_memory.png", help="where to write the memory plot (PNG)")
     tour.add_argument("--markdown", default=None, help="also write the tables as Markdown to this file")
 
+    memory = sub.add_parser("memory", help="chapter 2: DDP's per-rank memory and traffic vs the analytic model")
+    memory.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2, 3, 4])
+    memory.add_argument("--steps", type=int, default=3)
+    memory.add_argument("--plot", default="ddp_memory.png")
+    memory.add_argument("--markdown", default=None)
+
     demo = sub.add_parser("demo", help="all-reduce built from reduce-scatter + all-gather, checked")
     demo.add_argument("--world-size", type=int, default=3)
 
@@ -42,6 +49,9 @@ def main(argv: list[str] | None = None) -> int:
         from minifsdp.tour import run_tour
         run_tour(world_size=args.world_size, steps=args.steps, device=args.device, plot=args.plot,
                  markdown=args.markdown)
+    elif args.command == "memory":
+        from minifsdp.tour import run_memory_report
+        run_memory_report(world_sizes=args.world_sizes, steps=args.steps, plot=args.plot, markdown=args.markdown)
     elif args.command == "demo":
         from minifsdp.ddp import demo_all_reduce_by_parts
         from minifsdp.launch import launch

@@ -27,6 +27,7 @@ def mixed_precision_adam(k: int = 12) -> tuple[int, int, int]:
     return (2, 2, k)
 
 
+# --8<-- [start:model_state_bytes]
 def model_state_bytes(psi: int, world_size: int, stage: int, bytes_per_param=FP32_ADAM) -> dict[str, float]:
     """Per-rank bytes of params, grads and optimizer state under ZeRO stage 0..3 (0 = DDP)."""
     if stage not in (0, 1, 2, 3):
@@ -40,6 +41,7 @@ def model_state_bytes(psi: int, world_size: int, stage: int, bytes_per_param=FP3
     # END EXERCISE
     out["total"] = out["params"] + out["grads"] + out["optim"]
     return out
+# --8<-- [end:model_state_bytes]
 
 
 def comm_bytes_per_step(psi: int, world_size: int, stage: int, dtype_bytes: int = 4) -> float:
@@ -74,6 +76,7 @@ def fsdp_step_collectives(unit_numels: list[int], world_size: int, dtype_bytes: 
     return FSDPUnitComm(payloads[0], 3, 3 * sum(payloads))
 
 
+# --8<-- [start:fsdp_buffer_bytes]
 def fsdp_buffer_bytes(unit_numel: int, world_size: int, dtype_bytes: int = 4) -> dict[str, float]:
     """Communication and unsharded-parameter buffers alive at FSDP's peak, for units of `unit_numel` params.
 
@@ -83,6 +86,7 @@ def fsdp_buffer_bytes(unit_numel: int, world_size: int, dtype_bytes: int = 4) ->
     comm = 2 * collective_payload_bytes(unit_numel, world_size, dtype_bytes)
     unsharded = 2 * unit_numel * dtype_bytes
     return {"comm": comm, "unsharded": unsharded, "total": comm + unsharded}
+# --8<-- [end:fsdp_buffer_bytes]
 
 
 def sgd_momentum_state_bytes(psi: int) -> int:

@@ -52,6 +52,7 @@ def rank() -> int:
     return dist.get_rank()
 
 
+# --8<-- [start:ring_bytes]
 def ring_bytes(kind: str, nbytes: int, n: int) -> float:
     """Bytes one rank sends for a collective over `nbytes` (the full, unsharded size) on a ring of n ranks."""
     if kind == "all_reduce":
@@ -59,6 +60,7 @@ def ring_bytes(kind: str, nbytes: int, n: int) -> float:
     if kind in ("reduce_scatter", "all_gather", "broadcast", "reduce"):
         return nbytes * (n - 1) / n
     raise ValueError(f"unknown collective {kind!r}")
+# --8<-- [end:ring_bytes]
 
 
 @dataclass
@@ -114,6 +116,7 @@ class Handle:
         return self._work is None or self._work.is_completed()
 
 
+# --8<-- [start:issue]
 def _issue(kind: str, nbytes: int, call, async_op: bool, tag: str):
     """Count, call, and (for a blocking call) wait: the bookkeeping every collective shares."""
     n = world_size()
@@ -130,6 +133,7 @@ def _issue(kind: str, nbytes: int, call, async_op: bool, tag: str):
         return handle
     handle.wait()
     return None
+# --8<-- [end:issue]
 
 
 def _nbytes(t: torch.Tensor) -> int:

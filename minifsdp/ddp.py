@@ -32,6 +32,7 @@ from torch.utils._pytree import tree_leaves
 from minifsdp import comm
 
 
+# --8<-- [start:all_reduce_by_parts]
 def all_reduce_by_parts(tensor: torch.Tensor) -> torch.Tensor:
     """An all-reduce (sum) built from its two halves: reduce-scatter, then all-gather.
 
@@ -52,6 +53,7 @@ def all_reduce_by_parts(tensor: torch.Tensor) -> torch.Tensor:
     result = padded[: flat.numel()]
     # END EXERCISE
     return result.view_as(tensor)
+# --8<-- [end:all_reduce_by_parts]
 
 
 class _Bucket:
@@ -111,6 +113,7 @@ class DistributedDataParallel(nn.Module):
         self._bucket_of = {p: b for b in self._buckets for p in b.params}
 
     # -- forward: prepare the bookkeeping for the coming backward ------------------------------------------
+    # --8<-- [start:forward]
     def forward(self, *args, **kwargs):
         if self.broadcast_buffers:
             with torch.no_grad():
@@ -129,8 +132,10 @@ class DistributedDataParallel(nn.Module):
                 for p in self._unused:
                     self._bucket_of[p].ready += 1
         return out
+    # --8<-- [end:forward]
 
     # -- backward: hooks fire as gradients land ------------------------------------------------------------
+    # --8<-- [start:hooks]
     def _on_grad_ready(self, p: nn.Parameter) -> None:
         if not self.require_backward_grad_sync:
             return  # inside no_sync(): let gradients accumulate locally
@@ -155,7 +160,9 @@ class DistributedDataParallel(nn.Module):
             bucket.handle = comm.all_reduce(bucket.flat, async_op=True, tag=f"bucket{self._next}")
             # END EXERCISE
             self._next += 1
+    # --8<-- [end:hooks]
 
+    # --8<-- [start:finish]
     def _finish(self) -> None:
         """End of backward: every bucket must have been launched; wait for them and write .grad back."""
         self._finish_queued = False
@@ -182,6 +189,7 @@ class DistributedDataParallel(nn.Module):
         if not self._rebuilt:
             self._set_buckets(_pack(self._arrivals, self._cap))
             self._rebuilt = True
+    # --8<-- [end:finish]
 
     def _globally_used(self) -> dict:
         """Which parameters got a gradient on at least one rank (one small all-reduce, as torch does)."""

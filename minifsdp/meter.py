@@ -77,6 +77,7 @@ class MemoryMeter:
             self.watch_optimizer(optimizer)
 
     # -- what we track -------------------------------------------------------------------------------
+    # --8<-- [start:track]
     def _track(self, storage, category: str) -> None:
         key = id(storage)
         entry = self._live.get(key)
@@ -101,6 +102,7 @@ class MemoryMeter:
         if total > self.peak:
             self.peak = total
             self.peak_by_category = {c: self._by_cat[c] for c in CATEGORIES}
+    # --8<-- [end:track]
 
     def watch_model(self, model: torch.nn.Module) -> None:
         self._models.append(model)

@@ -83,12 +83,14 @@ def loss_of(model_name: str, model: nn.Module, tensors) -> torch.Tensor:
 
 def train(strategy: str = "ddp", model: str = "gpt", optimizer: str = "adamw", steps: int = 5,
           global_batch: int = 12, seed: int = 0, gpt_config: GPTConfig | None = None,
-          set_to_none: str = "always", measure: bool = True, rank_seeds: bool = True) -> dict:
+          set_to_none: str = "always", measure: bool = True, rank_seeds: bool = True,
+          on_step: Callable[[], None] | None = None) -> dict:
     """Train on this rank; return what the comparisons need (all tensors on the CPU).
 
     rank_seeds: build each rank's model from seed + rank, so the result is only right if the strategy
                 really makes the replicas start from rank 0's weights.
     set_to_none: "always", "never" or "alternate" (zero_grad(set_to_none=...) by step parity).
+    on_step:     called after each step (e.g. to move a progress bar).
     """
     device = current_device()
     single = strategy == "single"
@@ -100,26 +102,35 @@ def train(strategy: str = "ddp", model: str = "gpt", optimizer: str = "adamw", s
         wrapped, opt = net, make_opt(net.parameters())
     else:
         wrapped, opt = STRATEGIES[strategy][0](net, make_opt, find_unused)
+    # The meter watches the model states all along, but tracks activations only in the last step: a
+    # steady-state step (optimizer state exists), and the other steps run at full speed for the timings.
     meter = MemoryMeter(net, opt) if measure else None
     losses, times = [], []
     with comm.counting() if not single else contextlib.nullcontext() as counter:
         for step in range(steps):
             tensors = batch(model, step, global_batch, rank, n, device, gpt_config)
+            metered = meter is not None and step == steps - 1
+            if metered:
+                meter.reset_peak()
             t0 = time.perf_counter()
-            with meter if meter else contextlib.nullcontext():
+            with meter if metered else contextlib.nullcontext():
                 loss = loss_of(model, wrapped, tensors)
                 loss.backward()
                 opt.step()
-                to_none = {"always": True, "never": False, "alternate": step % 2 == 0}[set_to_none]
-                if step == steps - 1 and meter:
+                if metered:
                     meter.snapshot("after step")
-                opt.zero_grad(set_to_none=to_none)
-            times.append(time.perf_counter() - t0)
+                opt.zero_grad(set_to_none={"always": True, "never": False, "alternate": step % 2 == 0}[set_to_none])
+            if not metered:
+                times.append(time.perf_counter() - t0)
             losses.append(loss.item())
+            if on_step:
+                on_step()
+    if meter:
+        meter.close()
     return {
         "params": {k: v.detach().cpu().clone() for k, v in net.state_dict().items()},
         "losses": losses,
-        "step_times": times,
+        "step_times": times[1:] or times,  # the first step pays for lazy initialisation
         "peak": meter.peak if meter else None,
         "peak_by_category": meter.peak_by_category if meter else None,
         "after_step": meter.snapshots.get("after step") if meter else None,

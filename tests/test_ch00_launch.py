@@ -1,0 +1,104 @@
+"""Chapter 0 foundations: the launcher, failure handling, and the no-process-group error."""
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from minifsdp import RankFailedError, comm, launch
+from minifsdp.comm import NoProcessGroupError
+from minifsdp.ddp import DistributedDataParallel
+from minifsdp.models import ToyModel
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def whoami(offset):
+    return (dist.get_rank(), dist.get_world_size(), dist.get_backend(), offset)
+
+
+def test_launch_returns_each_ranks_result_in_rank_order():
+    assert launch(whoami, world_size=3, args=(7,), device="cpu") == [(r, 3, "gloo", 7) for r in range(3)]
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, "2"])
+def test_world_size_must_be_a_positive_int(bad):
+    with pytest.raises(ValueError, match="world_size must be an integer >= 1"):
+        launch(whoami, world_size=bad, args=(0,))
+
+
+def test_cuda_without_gpus_is_a_clear_error():
+    if torch.cuda.device_count() >= 64:
+        pytest.skip("this machine has 64 GPUs")
+    with pytest.raises(ValueError, match="one GPU per rank"):
+        launch(whoami, world_size=64, args=(0,), device="cuda")
+
+
+def fail_on_rank_one():
+    t = torch.ones(3)
+    comm.all_reduce(t)  # everyone is in the group and working...
+    if dist.get_rank() == 1:
+        raise KeyError("the data for rank 1 is missing")
+    comm.all_reduce(t)  # ...rank 0 now waits for a peer that will never come
+    time.sleep(60)
+
+
+def test_a_rank_that_raises_stops_the_others_with_a_message(capfd):
+    start = time.time()
+    with pytest.raises(RankFailedError) as info:
+        launch(fail_on_rank_one, world_size=3, device="cpu", timeout=30)
+    assert time.time() - start < 25, "the launcher must not wait for the collective timeout"
+    assert info.value.rank == 1
+    assert "KeyError" in str(info.value) and "the data for rank 1 is missing" in str(info.value)
+    assert "fail_on_rank_one" in info.value.remote_traceback
+    err = capfd.readouterr().err
+    # the survivors either noticed the dead peer in their collective or were stopped, naming rank 1
+    assert "rank 1 failed" in err or "rank 1" in str(info.value)
+
+
+def hang_on_rank_zero():
+    if dist.get_rank() == 0:
+        time.sleep(120)  # stuck without ever joining the collective
+    comm.all_reduce(torch.ones(2))
+
+
+def test_a_collective_never_waits_forever():
+    start = time.time()
+    with pytest.raises(RankFailedError) as info:
+        launch(hang_on_rank_zero, world_size=2, device="cpu", timeout=3)
+    assert time.time() - start < 60
+    assert info.value.rank == 1  # rank 1 timed out waiting for rank 0, and says so
+
+
+def test_no_process_group_is_a_clear_error():
+    assert not dist.is_initialized()
+    with pytest.raises(NoProcessGroupError, match="minifsdp.launch"):
+        DistributedDataParallel(ToyModel())
+    with pytest.raises(NoProcessGroupError):
+        comm.all_reduce(torch.ones(1))
+
+
+def count_on_fake_group():
+    with comm.counting() as c:
+        comm.all_reduce(torch.ones(1000))
+        comm.all_gather(torch.empty(8000), torch.ones(1000))
+    return dist.get_world_size(), dict(c.bytes)
+
+
+def test_fake_backend_measures_rank_zero_of_a_large_job():
+    [(n, sent)] = launch(count_on_fake_group, world_size=8, backend="fake")
+    assert n == 8
+    assert sent == {"all_reduce": 2 * 4000 * 7 / 8, "all_gather": 32000 * 7 / 8}
+
+
+def test_works_under_torchrun(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "minifsdp", "tour",
+         "--world-size", "2", "--steps", "2", "--plot", str(tmp_path / "m.png")],
+        cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "### ddp" in out.stdout and (tmp_path / "m.png").exists()
