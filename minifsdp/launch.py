@@ -156,8 +156,14 @@ def _rank_main(rank, world_size, device, port, work, args, kwargs, timeout, out_
             pickle.dump(("ok", result), f)
         os.replace(path + ".tmp", path)  # the launcher only ever sees a whole file
     except BaseException as e:  # noqa: BLE001 -- every failure must reach the launcher
+        with failed_rank.get_lock():  # the first rank to fail is the cause; the others are its echoes
+            if failed_rank.value == -1:
+                failed_rank.value = rank
+        if failed_rank.value != rank:
+            print(f"[minifsdp] rank {rank}: exiting because rank {failed_rank.value} failed "
+                  f"(here: {type(e).__name__})", file=sys.stderr, flush=True)
         with open(path + ".tmp", "wb") as f:
-            pickle.dump(("error", f"{type(e).__name__}: {e}", traceback.format_exc(), time.time()), f)
+            pickle.dump(("error", f"{type(e).__name__}: {e}", traceback.format_exc()), f)
         os.replace(path + ".tmp", path)
         sys.stderr.flush()
         os._exit(1)
@@ -188,16 +194,18 @@ def _spawn(work, world_size, args, kwargs, device, timeout):
                 if any(p.exitcode not in (None, 0) for p in procs):
                     break
                 time.sleep(0.02)
-            failures = _failures(procs, out_dir)
-            if failures:
-                rank, message, tb = min(failures)[1:]
-                failed_rank.value = rank
+            dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+            if dead:
+                with failed_rank.get_lock():
+                    if failed_rank.value == -1:  # died without a Python exception (killed, segfault)
+                        failed_rank.value = dead[0]
+                rank = failed_rank.value
                 for p in procs:
                     if p.is_alive():
                         p.terminate()
                 for p in procs:
                     p.join(timeout=10)
-                raise RankFailedError(rank, message, tb)
+                raise RankFailedError(rank, *_error_report(rank, procs[rank], out_dir))
             results = []
             for r in range(world_size):
                 with open(os.path.join(out_dir, f"rank{r}.pkl"), "rb") as f:
@@ -210,18 +218,11 @@ def _spawn(work, world_size, args, kwargs, device, timeout):
                 p.join()
 
 
-def _failures(procs, out_dir):
-    """(time, rank, message, traceback) of each failed rank; the earliest is the cause, the rest its echoes."""
-    time.sleep(0.2)  # the first failure takes its peers down within moments; let their reports land
-    found = []
-    for r, p in enumerate(procs):
-        if p.exitcode in (None, 0):
-            continue
-        path = os.path.join(out_dir, f"rank{r}.pkl")
-        if os.path.exists(path):
-            with open(path, "rb") as f:
-                status, message, tb, when = pickle.load(f)
-            found.append((when, r, message, tb))
-        else:
-            found.append((float("inf"), r, f"process died with exit code {p.exitcode}", ""))
-    return found
+def _error_report(rank, proc, out_dir) -> tuple[str, str]:
+    """(message, traceback) a failed rank left behind, or what its exit code says if it left nothing."""
+    path = os.path.join(out_dir, f"rank{rank}.pkl")
+    if not os.path.exists(path):
+        return f"process died with exit code {proc.exitcode}", ""
+    with open(path, "rb") as f:
+        _, message, tb = pickle.load(f)
+    return message, tb
