@@ -23,6 +23,8 @@ from minifsdp.train import OPTIMIZERS, STRATEGIES, max_abs_diff, train
 TOUR_MODEL = GPTConfig(vocab_size=96, block_size=64, n_layer=4, n_head=4, n_embd=64, tie_weights=True)
 ORACLE = "torch_ddp"
 CATEGORY_COLORS = {"params": "#4c72b0", "grads": "#dd8452", "optim": "#55a868", "other": "#c7c7c7"}
+CATEGORY_LABELS = {"params": "parameters", "grads": "gradients", "optim": "optimizer state",
+                   "other": "activations, temporaries, buffers"}
 
 
 def _train_all(strategies, steps, optimizer, global_batch, config):
@@ -98,7 +100,7 @@ def plot_memory(named_breakdowns: list[tuple[str, dict, float]], path: str, titl
     for i, (label, cats, model_states) in enumerate(named_breakdowns):
         bottom = 0.0
         for cat, color in CATEGORY_COLORS.items():
-            ax.bar(i, cats[cat] / 1e6, bottom=bottom, color=color, label=cat if i == 0 else None)
+            ax.bar(i, cats[cat] / 1e6, bottom=bottom, color=color, label=CATEGORY_LABELS[cat] if i == 0 else None)
             bottom += cats[cat] / 1e6
         ax.plot([i - 0.4, i + 0.4], [model_states / 1e6] * 2, "k--", lw=1.5,
                 label="analytic model states" if i == 0 else None)

@@ -1,0 +1,30 @@
+# Every figure and table in the docs is made by one of these commands (see chapters/*.md).
+PY ?= python
+
+.PHONY: setup test tour figures docs serve student grade
+
+setup:            ## install minifsdp and what the tests need (CPU torch on a machine without a GPU)
+	bash .ci/setup
+
+test: setup       ## the whole suite, as CI runs it
+	$(PY) -m pytest -q
+
+tour: setup       ## the main job: every strategy side by side on 2 CPU ranks
+	$(PY) -m minifsdp tour
+
+figures:          ## regenerate every figure and table the chapters include
+	$(PY) -m minifsdp tour --world-size 2 --steps 5 --plot chapters/figures/tour_memory.png --markdown chapters/generated/tour_ws2.md
+	$(PY) -m minifsdp memory --world-sizes 1 2 3 4 --plot chapters/figures/ddp_memory.png --markdown chapters/generated/ddp_memory.md
+	$(PY) -m minifsdp demo --world-size 3 > chapters/generated/demo_ws3.txt
+
+docs:             ## build the site into site/ (fails on any broken link or include)
+	$(PY) -m mkdocs build --strict
+
+serve:
+	$(PY) -m mkdocs serve
+
+student:          ## a student copy with the exercise solutions removed, in ./student
+	$(PY) -m minifsdp student student
+
+grade:            ## run each chapter's tests and print a per-chapter score
+	$(PY) -m minifsdp grade .
