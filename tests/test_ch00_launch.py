@@ -105,3 +105,14 @@ def test_works_under_torchrun(tmp_path):
         cwd=REPO, capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "### ddp" in out.stdout and (tmp_path / "m.png").exists()
+
+
+def test_the_readme_example_runs(tmp_path):
+    readme = open(os.path.join(REPO, "README.md")).read()
+    example = readme.split("```python\n", 1)[1].split("```", 1)[0]
+    script = tmp_path / "example.py"
+    script.write_text(example)
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    sent = eval(out.stdout.strip().splitlines()[-1])  # one figure per rank, e.g. [117504.0, 117504.0]
+    assert len(sent) == 2 and sent[0] == sent[1] > 0
