@@ -61,7 +61,6 @@ class _Bucket:
 
     def __init__(self, params: list[nn.Parameter]):
         self.params = params
-        self.numel = sum(p.numel() for p in params)
         self.ready = 0           # how many of `params` have their gradient for this backward
         self.handle = None       # the async all-reduce in flight
         self.flat = None         # ... and the tensor it reduces
@@ -79,6 +78,7 @@ class DistributedDataParallel(nn.Module):
                             would otherwise never complete, and we raise instead of waiting forever.
     """
 
+    # --8<-- [start:init]
     def __init__(self, module: nn.Module, bucket_cap_mb: float = 25.0, broadcast_buffers: bool = True,
                  find_unused_parameters: bool = False):
         super().__init__()
@@ -107,6 +107,7 @@ class DistributedDataParallel(nn.Module):
         self._unused = set()
         for p in params:
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
+    # --8<-- [end:init]
 
     def _set_buckets(self, groups: list[list[nn.Parameter]]) -> None:
         self._buckets = [_Bucket(g) for g in groups]
@@ -188,16 +189,17 @@ class DistributedDataParallel(nn.Module):
             bucket.handle = bucket.flat = None
         if not self._rebuilt:
             self._set_buckets(_pack(self._arrivals, self._cap))
-            self._rebuilt = True
+            self._arrivals, self._rebuilt = [], True
     # --8<-- [end:finish]
 
     def _globally_used(self) -> dict:
         """Which parameters got a gradient on at least one rank (one small all-reduce, as torch does)."""
         params = list(self._bucket_of)
-        used = torch.tensor([0.0 if p in self._unused else 1.0 for p in params])
+        used = torch.tensor([0.0 if p in self._unused else 1.0 for p in params], device=params[0].device)
         comm.all_reduce(used, tag="used_map")
         return {p: bool(u > 0) for p, u in zip(params, used)}
 
+    # --8<-- [start:no_sync]
     @contextlib.contextmanager
     def no_sync(self):
         """Accumulate gradients locally (no communication) for the backward passes inside this block."""
@@ -206,6 +208,7 @@ class DistributedDataParallel(nn.Module):
             yield
         finally:
             self.require_backward_grad_sync = previous
+    # --8<-- [end:no_sync]
 
 
 DDP = DistributedDataParallel

@@ -36,6 +36,10 @@ import torch.distributed as dist
 
 DEFAULT_TIMEOUT = 60.0  # seconds any one collective may wait for its peers
 
+# Ask NVML, not the CUDA runtime, how many GPUs there are: the runtime's answer initialises CUDA in this
+# process, and ranks forked from a process with CUDA initialised cannot use their GPU.
+os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+
 
 class RankFailedError(RuntimeError):
     """A rank raised (or died); `rank` is the first one that did, `remote_traceback` its traceback."""
@@ -180,7 +184,16 @@ def _start_method(work) -> str:
 
 
 def _spawn(work, world_size, args, kwargs, device, timeout):
-    ctx = mp.get_context(_start_method(work))
+    method = _start_method(work)
+    if method == "fork":
+        if device == "cuda" and torch.cuda.is_initialized():
+            raise RuntimeError(
+                f"{work.__name__} is defined interactively, so the ranks must be forked from this process, "
+                "but CUDA is already initialised here and forked ranks could not use their GPUs. Put the "
+                "function in a .py file and import it (then the ranks are spawned fresh), or restart the "
+                "kernel and launch before touching CUDA.")
+        import torch._dynamo  # noqa: F401 -- the first optimizer imports it (~2 s); fork it in, once, instead
+    ctx = mp.get_context(method)
     failed_rank = ctx.Value("i", -1)
     port = _free_port()
     with tempfile.TemporaryDirectory(prefix="minifsdp-") as out_dir:

@@ -46,6 +46,7 @@ def optimizer_tensors(optimizer) -> list[torch.Tensor]:
     return [t for state in optimizer.state.values() for t in tree_leaves(state) if isinstance(t, torch.Tensor)]
 
 
+# --8<-- [start:dispatch]
 class _Tracker(TorchDispatchMode):
     """Sees every op's outputs and reports new storages to the meter."""
 
@@ -59,6 +60,7 @@ class _Tracker(TorchDispatchMode):
             if isinstance(t, torch.Tensor):
                 self.meter._track(t.untyped_storage(), "other")
         return out
+# --8<-- [end:dispatch]
 
 
 class MemoryMeter:

@@ -67,8 +67,17 @@ class TinyGPT(nn.Module):
         self.blocks = nn.ModuleList(Block(c) for _ in range(c.n_layer))
         self.ln_f = nn.LayerNorm(c.n_embd)
         self.lm_head = nn.Linear(c.n_embd, c.vocab_size, bias=False)
+        self.apply(self._init_weights)
         if c.tie_weights:
             self.lm_head.weight = self.wte.weight
+
+    @staticmethod
+    def _init_weights(m):
+        # GPT-2's init: small weights, so the first logits are near zero and the loss starts near ln(vocab)
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, mean=0.0, std=0.02)
+        if isinstance(m, nn.Linear) and m.bias is not None:
+            nn.init.zeros_(m.bias)
 
     def forward(self, idx, targets=None):
         T = idx.shape[1]
