@@ -59,7 +59,11 @@ def main(argv: list[str] | None = None) -> int:
             print(r)
     elif args.command == "student":
         from minifsdp.course import write_student_copy
-        write_student_copy(".", args.out_dir, only=args.only)
+        try:
+            write_student_copy(".", args.out_dir, only=args.only)
+        except (FileExistsError, FileNotFoundError, ValueError) as e:
+            print(f"minifsdp student: {e}", file=sys.stderr)
+            return 2
     elif args.command == "grade":
         from minifsdp.course import grade
         return grade(args.path)
