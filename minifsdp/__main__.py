@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"minifsdp student: {e}", file=sys.stderr)
             return 2
     elif args.command == "grade":
-        from minifsdp.course import grade
+        from minifsdp.grade import grade
         return grade(args.path)
     return 0
 

@@ -3,7 +3,6 @@ each checked against exact figures (no tolerance: these are counts of bytes, not
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from minifsdp import MemoryMeter, analytic, comm, launch
 from minifsdp.ddp import DistributedDataParallel

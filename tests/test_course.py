@@ -1,4 +1,4 @@
-"""Course mode (minifsdp/course.py): exercise markers, student copies, and the grader.
+"""Course mode (minifsdp/course.py, minifsdp/grade.py): exercise markers, student copies, and the grader.
 
 The test that matters most is the removal check at the end: for every exercise in the package, a
 student copy with just that exercise removed must fail its chapter's tests. A chapter whose tests pass
@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from minifsdp.course import (chapter_test_files, find_exercises, grade, run_chapter_tests, strip_solutions,
-                             write_student_copy)
+from minifsdp.course import find_exercises, strip_solutions, write_student_copy
+from minifsdp.grade import chapter_test_files, grade, run_chapter_tests
 
 REPO = Path(__file__).resolve().parents[1]
 REMOVAL_TIMEOUT = 300  # seconds for one chapter's tests with one exercise removed
