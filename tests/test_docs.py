@@ -1,0 +1,78 @@
+"""The docs site builds with no warnings, and what its pages include and show really exists.
+
+The strict build is the real check: pymdownx.snippets runs with check_paths, so a missing file or a
+renamed section marker fails it. The checks below only make the failure messages point at the page.
+"""
+
+import html as html_module
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PAGES = sorted((REPO / "chapters").glob("*.md"))
+INCLUDE = re.compile(r'^\s*--8<--\s+"([^"]+)"\s*$', re.MULTILINE)  # a block include on its own line
+IMAGE = re.compile(r"!\[[^\]]*\]\(([^)\s]+)")
+
+
+def includes(page: Path) -> list[str]:
+    return INCLUDE.findall(page.read_text(encoding="utf-8"))
+
+
+def test_there_are_pages():
+    assert (REPO / "mkdocs.yml").is_file()
+    assert {p.name for p in PAGES} >= {"index.md", "01_ddp.md", "02_memory.md"}
+
+
+def test_site_builds_strictly(tmp_path):
+    pytest.importorskip("mkdocs")
+    pytest.importorskip("material")
+    pytest.importorskip("pymdownx")
+    env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
+    out = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "WARNING" not in out.stderr, out.stderr[-3000:]
+    for page in ("index.html", "01_ddp/index.html", "02_memory/index.html"):
+        html = (tmp_path / "site" / page).read_text(encoding="utf-8")
+        assert "8&lt;--" not in html and "8<--" not in html, f"{page}: an include was not expanded"
+    # the included source really is on the page (as text: highlighting splits it into spans)
+    ddp_page = (tmp_path / "site" / "01_ddp" / "index.html").read_text(encoding="utf-8")
+    assert "def _on_grad_ready(self, p: nn.Parameter)" in html_module.unescape(re.sub(r"<[^>]+>", "", ddp_page))
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[p.name for p in PAGES])
+def test_every_include_points_at_a_file_and_section(page):
+    for target in includes(page):
+        path, _, section = target.partition(":")
+        source = REPO / path
+        assert source.is_file(), f"{page.name} includes {path}, which does not exist"
+        if section and not re.fullmatch(r"[\d:,-]+", section):  # a named section, not line numbers
+            text = source.read_text(encoding="utf-8")
+            for kind in ("start", "end"):
+                assert f"--8<-- [{kind}:{section}]" in text, f"{page.name}: {path} has no [{kind}:{section}] marker"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[p.name for p in PAGES])
+def test_every_image_exists(page):
+    for src in IMAGE.findall(page.read_text(encoding="utf-8")):
+        assert not src.startswith(("http://", "https://")), f"{page.name}: {src} would be fetched from the network"
+        assert (page.parent / src).is_file(), f"{page.name} shows {src}, which does not exist"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[p.name for p in PAGES])
+def test_every_generated_table_and_figure_names_its_command(page):
+    """Each included output and each figure is made by `make figures`, and the page names the command."""
+    text = page.read_text(encoding="utf-8")
+    figures_recipe = re.search(r"^figures:.*?\n((?:\t.*\n)+)", (REPO / "Makefile").read_text(), re.MULTILINE)
+    assert figures_recipe, "the Makefile has no `figures` target"
+    made = [f"chapters/{src}" for src in IMAGE.findall(text)] + \
+           [t for t in includes(page) if t.startswith("chapters/generated/")]
+    for path in made:
+        assert path in figures_recipe.group(1), f"{page.name} shows {path}, which `make figures` does not make"
+        outside_includes = INCLUDE.sub("", text)
+        assert path in outside_includes, f"{page.name} shows {path} without naming the command that made it"
