@@ -19,6 +19,7 @@ A counter can also record each collective's issue and completion times, for time
 from __future__ import annotations
 
 import contextlib
+import math
 import pickle
 import time
 from collections import defaultdict
@@ -108,15 +109,15 @@ class Handle:
         if self._work is not None:
             self._work.wait()
             self._work = None
-            now = time.perf_counter()
-            for e in self._events:
+        now = time.perf_counter()
+        for e in self._events:
+            if math.isnan(e.done):  # the first wait() is the completion we can observe
                 e.done = now
 
     def is_completed(self) -> bool:
         return self._work is None or self._work.is_completed()
 
 
-# --8<-- [start:issue]
 def _issue(kind: str, nbytes: int, call, async_op: bool, tag: str):
     """Count, call, and (for a blocking call) wait: the bookkeeping every collective shares."""
     n = world_size()
@@ -176,16 +177,8 @@ def all_gather_object(obj) -> list:
     """Every rank's (picklable) `obj`, in rank order. For small metadata, counted under 'object'."""
     out = [None] * world_size()
 
-    class _Done:  # all_gather_object has no async form; this stands in for its finished work
-        def wait(self):
-            pass
-
-        def is_completed(self):
-            return True
-
-    def call(async_op):
+    def call(async_op):  # all_gather_object has no async form: it is done when it returns
         dist.all_gather_object(out, obj)
-        return _Done()
 
     _issue("object", len(pickle.dumps(obj)), call, async_op=False, tag="")
     return out

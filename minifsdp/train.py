@@ -134,6 +134,7 @@ def train(strategy: str = "ddp", model: str = "gpt", optimizer: str = "adamw", s
         "peak": meter.peak if meter else None,
         "peak_by_category": meter.peak_by_category if meter else None,
         "after_step": meter.snapshots.get("after step") if meter else None,
+        "allocator": meter.allocator_stats() if meter else {},  # CUDA only: the allocator's own peak
         "comm_bytes": dict(counter.bytes) if counter else {},
         "comm_calls": dict(counter.calls) if counter else {},
         "steps": steps,
