@@ -7,10 +7,12 @@ from minifsdp import analytic, comm
 from minifsdp.ddp import DDP, DistributedDataParallel, all_reduce_by_parts
 from minifsdp.launch import RankFailedError, current_device, launch
 from minifsdp.meter import MemoryMeter
+from minifsdp.oss import OSS
+from minifsdp.sdp import SDP, ShardedDataParallel
 from minifsdp.models import GPTConfig, TinyGPT, ToyModel, gpt_batch, toy_batch
 
 __version__ = "0.1.0"
 
-__all__ = ["DDP", "DistributedDataParallel", "GPTConfig", "MemoryMeter", "RankFailedError", "TinyGPT",
+__all__ = ["DDP", "DistributedDataParallel", "GPTConfig", "MemoryMeter", "OSS", "RankFailedError", "SDP", "ShardedDataParallel", "TinyGPT",
            "ToyModel", "all_reduce_by_parts", "analytic", "comm", "current_device", "gpt_batch", "launch",
            "toy_batch"]

@@ -118,6 +118,7 @@ class Handle:
         return self._work is None or self._work.is_completed()
 
 
+# --8<-- [start:issue]
 def _issue(kind: str, nbytes: int, call, async_op: bool, tag: str):
     """Count, call, and (for a blocking call) wait: the bookkeeping every collective shares."""
     n = world_size()

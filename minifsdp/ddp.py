@@ -61,6 +61,7 @@ class _Bucket:
 
     def __init__(self, params: list[nn.Parameter]):
         self.params = params
+        self.owner = None        # ZeRO-2 (chapter 4): the one rank that keeps this bucket's gradients
         self.ready = 0           # how many of `params` have their gradient for this backward
         self.handle = None       # the async all-reduce in flight
         self.flat = None         # ... and the tensor it reduces
@@ -94,20 +95,30 @@ class DistributedDataParallel(nn.Module):
                 comm.broadcast(t, src=0)
 
         self._names = {p: n for n, p in module.named_parameters()}
-        params = [p for p in module.parameters() if p.requires_grad]  # frozen ones never communicate
         self._cap = int(bucket_cap_mb * 1024 * 1024)
-        # Until we have seen a backward pass, guess that gradients arrive in reverse registration order
-        # (torch's guess too, and like torch keep registration order inside each bucket).
-        self._set_buckets([bucket[::-1] for bucket in _pack(params[::-1], self._cap)])
-        # After the first backward, rebuild the buckets in the order gradients really arrived, as torch
-        # does -- unless some parameters may be unused, when that order can differ between ranks.
-        self._arrivals, self._rebuilt = [], find_unused_parameters
         self._next = 0                # buckets are launched strictly in order: same order on every rank
         self._finish_queued = False
         self._unused = set()
-        for p in params:
-            p.register_post_accumulate_grad_hook(self._on_grad_ready)
+        self._hooks = []
+        self._setup_buckets_and_hooks()
+
+    def _setup_buckets_and_hooks(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        params = [p for p in self.module.parameters() if p.requires_grad]  # frozen ones never communicate
+        # Until we have seen a backward pass, guess that gradients arrive in reverse registration order
+        # (torch's guess too, and like torch keep registration order inside each bucket).
+        self._set_buckets(self._bucket_groups(params))
+        # After the first backward, rebuild the buckets in the order gradients really arrived, as torch
+        # does -- unless some parameters may be unused, when that order can differ between ranks.
+        self._arrivals, self._rebuilt = [], self.find_unused_parameters or not self.rebuild_buckets
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
     # --8<-- [end:init]
+
+    rebuild_buckets = True
+
+    def _bucket_groups(self, params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
+        return [bucket[::-1] for bucket in _pack(params[::-1], self._cap)]
 
     def _set_buckets(self, groups: list[list[nn.Parameter]]) -> None:
         self._buckets = [_Bucket(g) for g in groups]
@@ -152,15 +163,21 @@ class DistributedDataParallel(nn.Module):
     def _launch_ready_buckets(self) -> None:
         while self._next < len(self._buckets) and \
                 self._buckets[self._next].ready == len(self._buckets[self._next].params):
-            bucket = self._buckets[self._next]
-            # BEGIN EXERCISE 1.2: flatten the bucket's gradients, average them with an async all-reduce
-            bucket.flat = torch.cat([_grad_or_zeros(p).reshape(-1) for p in bucket.params])
-            # Average by multiplying by 1/N before the sum, exactly as torch's DDP does while filling its
-            # buckets: the same rounding, so the same bits. (x * (1/3) and x / 3 can differ in the last bit.)
-            bucket.flat.mul_(1.0 / self.world_size)
-            bucket.handle = comm.all_reduce(bucket.flat, async_op=True, tag=f"bucket{self._next}")
-            # END EXERCISE
+            self._launch(self._buckets[self._next])
             self._next += 1
+
+    def _flatten(self, bucket: _Bucket) -> torch.Tensor:
+        """The bucket's gradients as one flat tensor, already multiplied by 1/N."""
+        flat = torch.cat([_grad_or_zeros(p).reshape(-1) for p in bucket.params])
+        # Average by multiplying by 1/N before the sum, exactly as torch's DDP does while filling its
+        # buckets: the same rounding, so the same bits. (x * (1/3) and x / 3 can differ in the last bit.)
+        return flat.mul_(1.0 / self.world_size)
+
+    def _launch(self, bucket: _Bucket) -> None:
+        # BEGIN EXERCISE 1.2: average the bucket's gradients with an async all-reduce
+        bucket.flat = self._flatten(bucket)
+        bucket.handle = comm.all_reduce(bucket.flat, async_op=True, tag=f"bucket{self._next}")
+        # END EXERCISE
     # --8<-- [end:hooks]
 
     # --8<-- [start:finish]
@@ -175,21 +192,24 @@ class DistributedDataParallel(nn.Module):
                 f"in a step, pass find_unused_parameters=True.")
         globally_used = self._globally_used() if self.find_unused_parameters else None
         for bucket in self._buckets:
-            # BEGIN EXERCISE 1.3: wait for the bucket's all-reduce and copy the averages back into .grad
-            bucket.handle.wait()
-            offset = 0
-            for p in bucket.params:
-                average = bucket.flat[offset: offset + p.numel()].view_as(p)
-                offset += p.numel()
-                if p.grad is not None:
-                    p.grad.copy_(average)
-                elif globally_used is None or globally_used[p]:
-                    p.grad = average.clone()  # unused here, used elsewhere: it gets the average
-            # END EXERCISE
+            self._write_back(bucket, globally_used)
             bucket.handle = bucket.flat = None
         if not self._rebuilt:
             self._set_buckets(_pack(self._arrivals, self._cap))
             self._arrivals, self._rebuilt = [], True
+
+    def _write_back(self, bucket: _Bucket, globally_used: dict | None) -> None:
+        # BEGIN EXERCISE 1.3: wait for the bucket's all-reduce and copy the averages back into .grad
+        bucket.handle.wait()
+        offset = 0
+        for p in bucket.params:
+            average = bucket.flat[offset: offset + p.numel()].view_as(p)
+            offset += p.numel()
+            if p.grad is not None:
+                p.grad.copy_(average)
+            elif globally_used is None or globally_used[p]:
+                p.grad = average.clone()  # unused here, used elsewhere: it gets the average
+        # END EXERCISE
     # --8<-- [end:finish]
 
     def _globally_used(self) -> dict:

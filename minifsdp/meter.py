@@ -113,8 +113,11 @@ class MemoryMeter:
             if p.grad is not None:
                 self._track(p.grad.untyped_storage(), "grads")
             if p.requires_grad:
-                self._hooks.append(p.register_post_accumulate_grad_hook(
-                    lambda p: self._track(p.grad.untyped_storage(), "grads")))
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._label_grad))
+
+    def _label_grad(self, p) -> None:
+        if p.grad is not None:  # ZeRO-2 may already have dropped a gradient this rank does not own
+            self._track(p.grad.untyped_storage(), "grads")
 
     def watch_optimizer(self, optimizer) -> None:
         self._optimizers.append(optimizer)

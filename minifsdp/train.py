@@ -23,32 +23,50 @@ from minifsdp import comm
 from minifsdp.ddp import DistributedDataParallel
 from minifsdp.launch import current_device
 from minifsdp.meter import MemoryMeter
+from minifsdp.oss import OSS
+from minifsdp.sdp import ShardedDataParallel
 from minifsdp.models import GPTConfig, TinyGPT, ToyModel, gpt_batch, toy_batch
 
 # SGD with momentum as well as AdamW: Adam divides by the gradient's own scale, so it hides a gradient
 # that is off by a factor of N; SGD does not.
-OPTIMIZERS: dict[str, Callable] = {
-    "sgd": lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9),
-    "adamw": lambda params: torch.optim.AdamW(params, lr=3e-3, weight_decay=0.1),
+OPTIMIZER_SPECS: dict[str, tuple[type, dict]] = {
+    "sgd": (torch.optim.SGD, dict(lr=0.05, momentum=0.9)),
+    "adamw": (torch.optim.AdamW, dict(lr=3e-3, weight_decay=0.1)),
 }
+OPTIMIZERS: dict[str, Callable] = {name: (lambda params, cls=cls, kw=kw: cls(params, **kw))
+                                   for name, (cls, kw) in OPTIMIZER_SPECS.items()}
 
 
-def _torch_ddp(model, make_opt, find_unused):
+def _torch_ddp(model, optimizer, find_unused):
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
     wrapped = TorchDDP(model, find_unused_parameters=find_unused)
-    return wrapped, make_opt(wrapped.parameters())
+    return wrapped, OPTIMIZERS[optimizer](wrapped.parameters())
 
 
-def _ours_ddp(model, make_opt, find_unused):
+def _ours_ddp(model, optimizer, find_unused):
     wrapped = DistributedDataParallel(model, find_unused_parameters=find_unused)
-    return wrapped, make_opt(wrapped.parameters())
+    return wrapped, OPTIMIZERS[optimizer](wrapped.parameters())
 
 
-# name -> (build(model, make_optimizer, find_unused) -> (model, optimizer), ZeRO stage for the analytic model)
+def _oss(model, optimizer, find_unused):
+    cls, kw = OPTIMIZER_SPECS[optimizer]
+    wrapped = DistributedDataParallel(model, find_unused_parameters=find_unused)
+    return wrapped, OSS(model.parameters(), optim=cls, **kw)
+
+
+def _sdp(model, optimizer, find_unused):
+    cls, kw = OPTIMIZER_SPECS[optimizer]
+    opt = OSS(model.parameters(), optim=cls, **kw)
+    return ShardedDataParallel(model, opt, find_unused_parameters=find_unused), opt
+
+
+# name -> (build(model, optimizer name, find_unused) -> (model, optimizer), ZeRO stage for the analytic model)
 STRATEGIES: dict[str, tuple[Callable, int]] = {
     "torch_ddp": (_torch_ddp, 0),
     "ddp": (_ours_ddp, 0),
+    "oss": (_oss, 1),
+    "sdp": (_sdp, 2),
 }
 
 
@@ -96,12 +114,11 @@ def train(strategy: str = "ddp", model: str = "gpt", optimizer: str = "adamw", s
     single = strategy == "single"
     rank, n = (0, 1) if single else (comm.rank(), comm.world_size())
     net = build_model(model, seed + (rank if rank_seeds else 0), gpt_config).to(device)
-    make_opt = OPTIMIZERS[optimizer]
     find_unused = model == "toy"  # the toy model leaves a parameter unused in some steps
     if single:
-        wrapped, opt = net, make_opt(net.parameters())
+        wrapped, opt = net, OPTIMIZERS[optimizer](net.parameters())
     else:
-        wrapped, opt = STRATEGIES[strategy][0](net, make_opt, find_unused)
+        wrapped, opt = STRATEGIES[strategy][0](net, optimizer, find_unused)
     # The meter watches the model states all along, but tracks activations only in the last step: a
     # steady-state step (optimizer state exists), and the other steps run at full speed for the timings.
     meter = MemoryMeter(net, opt) if measure else None

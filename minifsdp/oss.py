@@ -1,0 +1,191 @@
+"""Chapter 3: ZeRO-1, optimizer state sharding -- OSS, with FairScale's name and signature.
+
+DDP leaves every rank with the same averaged gradients, and then every rank runs the same optimizer step
+on the same numbers: N copies of identical work, and N copies of the optimizer state (8Ψ bytes for Adam,
+half of all model-state memory). ZeRO-1 keeps one copy, split across ranks:
+
+- the parameters are *partitioned*: each one is owned by exactly one rank;
+- each rank's local optimizer holds state for, and steps, only the parameters it owns;
+- after the step, each owner broadcasts its freshly updated parameters, so all replicas are current.
+
+    model = DistributedDataParallel(TinyGPT())                     # gradients averaged as before
+    optimizer = OSS(model.parameters(), optim=torch.optim.AdamW, lr=3e-3)
+    model(x, y).backward(); optimizer.step()                      # 1/N of the state, 1/N of the maths
+
+How to partition? Greedily by size, largest first: give each parameter to the rank that owns the fewest
+elements so far. Cutting the parameter list into N consecutive runs (by order) would be simpler, but
+parameter sizes vary by orders of magnitude (an embedding next to a LayerNorm bias), so runs by order
+leave some ranks with several times the state of others -- and the largest rank sets the memory every
+rank must have. Greedy-largest-first keeps the ranks within one parameter of each other; only a single
+tensor larger than Ψ/N defeats it, which is what ZeRO-3 fixes by slicing tensors (chapter 5).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from minifsdp import comm
+
+
+def partition_parameters(param_groups: list[dict], world_size: int) -> list[list[dict]]:
+    """partition[rank][group_index] = that group (its hyper-parameters) with only the params `rank` owns."""
+    sizes = [0] * world_size
+    partition = [[] for _ in range(world_size)]
+    for group in param_groups:
+        owned = [[] for _ in range(world_size)]
+        # BEGIN EXERCISE 3.1: greedy partition, largest parameter first, to the least-loaded rank
+        for p in sorted(group["params"], key=lambda p: p.numel(), reverse=True):  # stable: same on every rank
+            rank = sizes.index(min(sizes))
+            owned[rank].append(p)
+            sizes[rank] += p.numel()
+        # END EXERCISE
+        for rank in range(world_size):
+            partition[rank].append({**group, "params": owned[rank]})
+    return partition
+
+
+class OSS(torch.optim.Optimizer):
+    """Optimizer State Sharding: wraps a local optimizer of class `optim` over this rank's parameters only.
+
+    params, **defaults: exactly what `optim` would take (param groups with their own hyper-parameters
+                        work); `self.param_groups` is the global view that LR schedulers adjust.
+    param_sync:         how replicas are made current after the step: "broadcast" (each owner broadcasts
+                        its parameters, one flat bucket per owner) or "all_gather" (one collective, but
+                        every rank's share is padded to the largest share).
+    """
+
+    def __init__(self, params, optim: type[torch.optim.Optimizer] = torch.optim.SGD,
+                 param_sync: str = "broadcast", **defaults):
+        comm.require_process_group()
+        if param_sync not in ("broadcast", "all_gather"):
+            raise ValueError(f"param_sync must be 'broadcast' or 'all_gather', not {param_sync!r}")
+        self.rank, self.world_size = comm.rank(), comm.world_size()
+        self.optim_class, self.param_sync = optim, param_sync
+        super().__init__(params, defaults)  # builds and checks self.param_groups (e.g. duplicates)
+        comm.assert_same_across_ranks([(f"param {i}", p) for i, p in enumerate(self._all_params())])
+        self._partition = partition_parameters(self.param_groups, self.world_size)
+        self.optim = optim(self._partition[self.rank], **defaults)
+        self.state = self.optim.state  # the state that exists is the local one (the meter reads it here)
+
+    def _all_params(self) -> list[torch.Tensor]:
+        return [p for group in self.param_groups for p in group["params"]]
+
+    def partition_parameters(self) -> list[list[dict]]:
+        return self._partition
+
+    def owned_params(self, rank: int) -> list[torch.Tensor]:
+        return [p for group in self._partition[rank] for p in group["params"]]
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        if not hasattr(self, "optim"):
+            return  # called from __init__, before the partition exists
+        # Re-partitioning everything would move existing state between ranks; the greedy partition of
+        # the earlier groups does not depend on later ones, so only the new group needs placing.
+        self._partition = partition_parameters(self.param_groups, self.world_size)
+        self.optim.add_param_group(self._partition[self.rank][-1])
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        # LR schedulers change self.param_groups: carry every hyper-parameter over to the local groups
+        for global_group, local_group in zip(self.param_groups, self.optim.param_groups):
+            local_group.update({k: v for k, v in global_group.items() if k != "params"})
+        loss = self.optim.step(closure)
+        self._sync_params()
+        return loss
+
+    def _sync_params(self) -> None:
+        """Make every replica current: each rank's updated parameters go to everyone."""
+        # Frozen parameters never change, so they are never sent.
+        shares = [[p for p in self.owned_params(r) if p.requires_grad] for r in range(self.world_size)]
+        if self.param_sync == "all_gather":
+            return self._all_gather_params(shares)
+        for owner, params in enumerate(shares):
+            if not params:
+                continue
+            # BEGIN EXERCISE 3.2: the owner broadcasts its updated parameters (one flat bucket) to every rank
+            flat = _flatten(params) if owner == self.rank else params[0].new_empty(_numel(params))
+            comm.broadcast(flat, src=owner, tag=f"params of rank {owner}")
+            if owner != self.rank:
+                _unflatten_into(flat, params)
+            # END EXERCISE
+
+    def _all_gather_params(self, shares) -> None:
+        """One all-gather instead of N broadcasts: fewer calls, but every share is padded to the largest."""
+        width = max(_numel(s) for s in shares)
+        mine = torch.zeros(width, dtype=shares[self.rank][0].dtype if shares[self.rank] else torch.float32,
+                           device=self._all_params()[0].device)
+        if shares[self.rank]:
+            mine[: _numel(shares[self.rank])] = _flatten(shares[self.rank])
+        everything = mine.new_empty(width * self.world_size)
+        comm.all_gather(everything, mine, tag="params")
+        for owner, params in enumerate(shares):
+            if owner != self.rank and params:
+                _unflatten_into(everything[owner * width: owner * width + _numel(params)], params)
+
+    # -- state dicts: one full state, in the format of a plain optimizer over the same parameters ----------
+    def _global_index(self) -> dict:
+        return {p: i for i, p in enumerate(self._all_params())}
+
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """Gather every rank's shard of the state into one full state dict, kept on rank `to`."""
+        index = self._global_index()
+        local = self.optim.state_dict()
+        local_params = [p for group in self.optim.param_groups for p in group["params"]]
+        # local state is keyed by position in the local optimizer; re-key it by global position
+        mine = {index[local_params[i]]: {k: (v.cpu() if torch.is_tensor(v) else v) for k, v in s.items()}
+                for i, s in local["state"].items()}
+        shards = comm.all_gather_object(mine)
+        self._consolidated = None
+        if self.rank == to:
+            state = {k: v for shard in shards for k, v in shard.items()}
+            groups, start = [], 0
+            for group in self.param_groups:
+                groups.append({**{k: v for k, v in group.items() if k != "params"},
+                               "params": list(range(start, start + len(group["params"])))})
+                start += len(group["params"])
+            self._consolidated = {"state": dict(sorted(state.items())), "param_groups": groups}
+
+    def state_dict(self) -> dict:
+        consolidated = getattr(self, "_consolidated", None)
+        if consolidated is None:
+            raise RuntimeError("OSS.state_dict() returns the full state, which no single rank holds: call "
+                               "consolidate_state_dict(to=r) on every rank first, then state_dict() on rank r")
+        return consolidated
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a full state dict (from OSS.state_dict() at any world size, or from a plain optimizer)."""
+        groups = state_dict["param_groups"]
+        if len(groups) != len(self.param_groups):
+            raise ValueError(f"the state dict has {len(groups)} param groups, this optimizer "
+                             f"{len(self.param_groups)}")
+        for global_group, saved in zip(self.param_groups, groups):
+            global_group.update({k: v for k, v in saved.items() if k != "params"})
+        index = self._global_index()
+        local_state, local_groups, position = {}, [], 0
+        for local_group, saved in zip(self.optim.param_groups, groups):
+            ids = []
+            for p in local_group["params"]:
+                saved_state = state_dict["state"].get(index[p])
+                if saved_state is not None:
+                    local_state[position] = saved_state
+                ids.append(position)
+                position += 1
+            local_groups.append({**{k: v for k, v in saved.items() if k != "params"}, "params": ids})
+        self.optim.load_state_dict({"state": local_state, "param_groups": local_groups})
+        self.state = self.optim.state
+
+
+def _numel(params) -> int:
+    return sum(p.numel() for p in params)
+
+
+def _flatten(params) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in params])
+
+
+def _unflatten_into(flat: torch.Tensor, params) -> None:
+    offset = 0
+    for p in params:
+        p.copy_(flat[offset: offset + p.numel()].view_as(p))
+        offset += p.numel()

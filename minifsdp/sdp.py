@@ -1,0 +1,111 @@
+"""Chapter 4: ZeRO-2, gradient sharding -- ShardedDataParallel, with FairScale's name and signature.
+
+After chapter 3 each rank steps only the parameters it owns, yet DDP still hands every rank the averaged
+gradient of *every* parameter: 4Ψ bytes per rank, of which (N-1)/N is thrown away unread. ZeRO-2 sends
+each gradient only where it is needed:
+
+- buckets are formed per owner (every parameter of a bucket is owned by one rank);
+- when a bucket's gradients are ready in backward, it is *reduced* (not all-reduced) to its owner,
+  asynchronously, while backward goes on;
+- the other ranks drop their copy of those gradients at once, so gradient memory per rank falls toward
+  4Ψ/N; after the optimizer step the owners broadcast the updated parameters (OSS does that).
+
+    optimizer = OSS(model.parameters(), optim=torch.optim.AdamW, lr=3e-3)
+    model = ShardedDataParallel(model, optimizer)
+    model(x, y).backward(); optimizer.step()
+
+This is chapter 1's DistributedDataParallel with three methods changed: how parameters are grouped into
+buckets, what launching a bucket does, and what happens to the result. Traffic per rank: a reduce
+(Ψ(N-1)/N) plus the owners' broadcast (Ψ(N-1)/N) = 2Ψ(N-1)/N, the same as DDP's all-reduce, for 1/N of
+the gradient memory.
+"""
+
+from __future__ import annotations
+
+import torch.nn as nn
+
+from minifsdp import comm
+from minifsdp.ddp import DistributedDataParallel, _Bucket
+from minifsdp.oss import OSS
+
+
+class ShardedDataParallel(DistributedDataParallel):
+    """ZeRO-2 data parallelism for a model whose optimizer is an OSS.
+
+    bucket_cap_mb:     size of a gradient bucket (every bucket belongs to one owner rank).
+    broadcast_buffers: as in DistributedDataParallel.
+    If you change which parameters require grad after building it, call `refresh_trainable()`.
+    """
+
+    rebuild_buckets = False  # buckets are grouped by owner; a rebuild by arrival order would mix owners
+
+    def __init__(self, module: nn.Module, sharded_optimizer: OSS, bucket_cap_mb: float = 25.0,
+                 broadcast_buffers: bool = True, find_unused_parameters: bool = False):
+        if not isinstance(sharded_optimizer, OSS):
+            raise TypeError(f"ShardedDataParallel needs a sharded optimizer (minifsdp.OSS) to know which rank "
+                            f"owns each gradient; got {type(sharded_optimizer).__name__}. Wrap it: "
+                            f"OSS(model.parameters(), optim={type(sharded_optimizer).__name__}, ...)")
+        self.sharded_optimizer = sharded_optimizer
+        self.rank = comm.rank()
+        super().__init__(module, bucket_cap_mb, broadcast_buffers, find_unused_parameters)
+
+    def _owners(self) -> dict:
+        owner = {p: r for r in range(self.world_size) for p in self.sharded_optimizer.owned_params(r)}
+        for name, p in self.module.named_parameters():
+            if p.requires_grad and p not in owner:
+                raise ValueError(f"parameter {name!r} requires grad but is not in the sharded optimizer, so no "
+                                 f"rank owns its gradient. Build the OSS over module.parameters().")
+        return owner
+
+    def _bucket_groups(self, params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
+        """Buckets of one owner each, in the order they fill up as backward produces gradients."""
+        owner = self._owners()
+        self._trainable = set(params)
+        open_buckets, sizes, groups = {}, {}, []
+        for p in reversed(params):  # the order backward produces gradients
+            r = owner[p]
+            nbytes = p.numel() * p.element_size()
+            if r in open_buckets and sizes[r] + nbytes > self._cap:
+                groups.append(open_buckets.pop(r))  # full: it is launched in the order it filled up
+            if r not in open_buckets:
+                open_buckets[r], sizes[r] = [], 0
+            open_buckets[r].append(p)
+            sizes[r] += nbytes
+        groups.extend(open_buckets.values())
+        return groups
+
+    def _set_buckets(self, groups) -> None:
+        super()._set_buckets(groups)
+        owner = self._owners()
+        for bucket in self._buckets:
+            bucket.owner = owner[bucket.params[0]]
+
+    def forward(self, *args, **kwargs):
+        now = {p for p in self.module.parameters() if p.requires_grad}
+        if now != self._trainable:
+            changed = sorted(self._names[p] for p in now ^ self._trainable)
+            raise RuntimeError(f"the set of trainable parameters changed since ShardedDataParallel was built "
+                               f"({changed}); call refresh_trainable() so their gradients are routed")
+        return super().forward(*args, **kwargs)
+
+    def refresh_trainable(self) -> None:
+        """Re-plan buckets and hooks after parameters were frozen or unfrozen."""
+        self._setup_buckets_and_hooks()
+
+    def _launch(self, bucket: _Bucket) -> None:
+        # BEGIN EXERCISE 4.1: reduce the bucket to its owner; the other ranks drop those gradients now
+        bucket.flat = self._flatten(bucket)
+        bucket.handle = comm.reduce(bucket.flat, dst=bucket.owner, async_op=True, tag=f"bucket{self._next}")
+        if bucket.owner != self.rank:
+            for p in bucket.params:
+                p.grad = None  # already copied into the flat bucket: this is the memory ZeRO-2 saves
+        # END EXERCISE
+
+    def _write_back(self, bucket: _Bucket, globally_used) -> None:
+        if bucket.owner == self.rank:
+            super()._write_back(bucket, globally_used)  # the owner gets the average, as under DDP
+        else:
+            bucket.handle.wait()  # a non-owner's flat is scratch: wait, then let it go
+
+
+SDP = ShardedDataParallel
