@@ -141,7 +141,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank, world_size, device, port, work, args, kwargs, timeout, out_dir, failed_rank):
+def _rank_main(rank, world_size, device, port, payload, timeout, out_dir, failed_rank):
     """Body of one spawned process: join the group, run the work, leave a result (or a traceback) behind."""
 
     def stop(signum, frame):  # the launcher stops us because another rank failed
@@ -154,6 +154,7 @@ def _rank_main(rank, world_size, device, port, work, args, kwargs, timeout, out_
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     path = os.path.join(out_dir, f"rank{rank}.pkl")
     try:
+        work, args, kwargs = pickle.loads(payload)
         init_process_group(rank, world_size, device, timeout)
         result = work(*args, **kwargs)
         with open(path + ".tmp", "wb") as f:
@@ -196,9 +197,13 @@ def _spawn(work, world_size, args, kwargs, device, timeout):
     ctx = mp.get_context(method)
     failed_rank = ctx.Value("i", -1)
     port = _free_port()
+    # Plain pickle, so every rank gets its own copy of the arguments: multiprocessing's own pickler would
+    # put tensors in shared memory, and a rank updating one in place would change it for all the others
+    # (and for the caller).
+    payload = pickle.dumps((work, args, kwargs))
     with tempfile.TemporaryDirectory(prefix="minifsdp-") as out_dir:
         procs = [ctx.Process(target=_rank_main, daemon=True, name=f"minifsdp-rank{r}",
-                             args=(r, world_size, device, port, work, args, kwargs, timeout, out_dir, failed_rank))
+                             args=(r, world_size, device, port, payload, timeout, out_dir, failed_rank))
                  for r in range(world_size)]
         for p in procs:
             p.start()

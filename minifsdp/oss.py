@@ -44,6 +44,23 @@ def partition_parameters(param_groups: list[dict], world_size: int) -> list[list
     return partition
 
 
+def partition_by_order(param_groups: list[dict], world_size: int) -> list[list[torch.Tensor]]:
+    """The naive alternative, for comparison: N consecutive runs of about Ψ/N elements each, in order."""
+    params = [p for group in param_groups for p in group["params"]]
+    total, runs, filled = sum(p.numel() for p in params), [[] for _ in range(world_size)], 0
+    for p in params:
+        rank = min(world_size - 1, filled * world_size // total)
+        runs[rank].append(p)
+        filled += p.numel()
+    return runs
+
+
+def imbalance(shares: list[list[torch.Tensor]]) -> float:
+    """Largest share over the mean share (1.0 = perfectly even). The largest share sets every rank's bill."""
+    sizes = [sum(p.numel() for p in share) for share in shares]
+    return max(sizes) * len(sizes) / sum(sizes)
+
+
 class OSS(torch.optim.Optimizer):
     """Optimizer State Sharding: wraps a local optimizer of class `optim` over this rank's parameters only.
 
@@ -65,6 +82,7 @@ class OSS(torch.optim.Optimizer):
         comm.assert_same_across_ranks([(f"param {i}", p) for i, p in enumerate(self._all_params())])
         self._partition = partition_parameters(self.param_groups, self.world_size)
         self.optim = optim(self._partition[self.rank], **defaults)
+        self._fill_defaults()
         self.state = self.optim.state  # the state that exists is the local one (the meter reads it here)
 
     def _all_params(self) -> list[torch.Tensor]:
@@ -84,6 +102,13 @@ class OSS(torch.optim.Optimizer):
         # the earlier groups does not depend on later ones, so only the new group needs placing.
         self._partition = partition_parameters(self.param_groups, self.world_size)
         self.optim.add_param_group(self._partition[self.rank][-1])
+        self._fill_defaults()
+
+    def _fill_defaults(self) -> None:
+        """Give the global groups every hyper-parameter the optimizer class defaults (as a plain one has)."""
+        for global_group, local_group in zip(self.param_groups, self.optim.param_groups):
+            for k, v in local_group.items():
+                global_group.setdefault(k, v)
 
     @torch.no_grad()
     def step(self, closure=None):

@@ -38,6 +38,18 @@ def test_cuda_without_gpus_is_a_clear_error():
         launch(whoami, world_size=64, args=(0,), device="cuda")
 
 
+def add_rank(t):
+    t += dist.get_rank() + 1  # in place
+    return t.clone()
+
+
+def test_each_rank_gets_its_own_copy_of_the_arguments():
+    t = torch.zeros(3)
+    assert [r.tolist() for r in launch(add_rank, world_size=3, args=(t,), device="cpu")] == \
+        [[1.0] * 3, [2.0] * 3, [3.0] * 3]
+    assert t.tolist() == [0.0] * 3  # the caller's tensor is untouched
+
+
 def fail_on_rank_one():
     t = torch.ones(3)
     comm.all_reduce(t)  # everyone is in the group and working...
