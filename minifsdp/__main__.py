@@ -1,7 +1,8 @@
 """The command line:
 
     python -m minifsdp tour [--world-size 2] [--steps 5] [--device cpu]   every strategy, side by side
-    python -m minifsdp memory [--world-sizes 1 2 3 4]                       chapter 2: DDP memory vs the model
+    python -m minifsdp memory [--strategies ddp oss sdp] [--world-sizes 1 2 3 4]   memory vs the model
+    python -m minifsdp partition [--world-sizes 2 3 4 5 6 7 8]             chapter 3: load balance of partitions
     python -m minifsdp demo [--world-size 3]                                all-reduce = reduce-scatter + all-gather
     python -m minifsdp student OUT_DIR                                      a student copy, solutions removed
     python -m minifsdp grade [PATH]                                         run each chapter's tests, print a score
@@ -29,10 +30,15 @@ def main(argv: list[str] | None = None) -> int:
     tour.add_argument("--markdown", default=None, help="also write the tables as Markdown to this file")
 
     memory = sub.add_parser("memory", help="chapter 2: DDP's per-rank memory and traffic vs the analytic model")
+    memory.add_argument("--strategies", nargs="+", default=["ddp"], help="from: ddp oss sdp ...")
     memory.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2, 3, 4])
-    memory.add_argument("--steps", type=int, default=3)
+    memory.add_argument("--steps", type=int, default=6)
     memory.add_argument("--plot", default="ddp_memory.png")
     memory.add_argument("--markdown", default=None)
+
+    part = sub.add_parser("partition", help="chapter 3: load balance of the greedy, by-order and flat partitions")
+    part.add_argument("--world-sizes", type=int, nargs="+", default=[2, 3, 4, 5, 6, 7, 8])
+    part.add_argument("--markdown", default=None)
 
     demo = sub.add_parser("demo", help="all-reduce built from reduce-scatter + all-gather, checked")
     demo.add_argument("--world-size", type=int, default=3)
@@ -51,7 +57,10 @@ def main(argv: list[str] | None = None) -> int:
                  markdown=args.markdown)
     elif args.command == "memory":
         from minifsdp.tour import run_memory_report
-        run_memory_report(world_sizes=args.world_sizes, steps=args.steps, plot=args.plot, markdown=args.markdown)
+        run_memory_report(strategies=args.strategies, world_sizes=args.world_sizes, steps=args.steps, plot=args.plot, markdown=args.markdown)
+    elif args.command == "partition":
+        from minifsdp.tour import run_partition_report
+        run_partition_report(world_sizes=args.world_sizes, markdown=args.markdown)
     elif args.command == "demo":
         from minifsdp.ddp import demo_all_reduce_by_parts
         from minifsdp.launch import launch

@@ -47,11 +47,11 @@ def bytes_per_param(optimizer: str):
 
 def strategy_rows(name: str, per_rank: list[dict], oracle: list[dict], optimizer: str) -> list[dict]:
     """One row per rank of the measured-vs-analytic comparison."""
-    stage = STRATEGIES[name][1]
+    strategy = STRATEGIES[name]
     rows = []
     for r, res in enumerate(per_rank):
         n, psi = res["world_size"], res["psi"]
-        model = analytic.model_state_bytes(psi, n, stage, bytes_per_param(optimizer))
+        model = analytic.model_state_bytes(psi, n, strategy.stage, bytes_per_param(optimizer))
         states = res["after_step"]
         rows.append({
             "rank": r,
@@ -62,7 +62,7 @@ def strategy_rows(name: str, per_rank: list[dict], oracle: list[dict], optimizer
             "states_analytic": model["total"],
             "other_at_peak": res["peak_by_category"]["other"],
             "bytes_per_step": sum(res["comm_bytes"].values()) / res["steps"],
-            "bytes_theory": analytic.comm_bytes_per_step(psi, n, stage),
+            "bytes_theory": strategy.comm_passes * psi * 4 * (n - 1) / n,
             "step_ms": 1e3 * statistics.median(res["step_times"]),
         })
     return rows
@@ -90,8 +90,10 @@ def format_table(rows: list[dict], counted: bool = True) -> str:
     return "\n".join(lines)
 
 
-def plot_memory(named_breakdowns: list[tuple[str, dict, float]], path: str, title: str) -> None:
-    """Stacked bars of peak memory by category, one per label, with the analytic model states marked."""
+def plot_memory(named_breakdowns: list[tuple[str, dict, float]], path: str, title: str,
+                peaks: list[float] | None = None, ylabel: str = "MB per rank (rank 0, at peak)") -> None:
+    """Stacked bars of memory by category, one per label, with the analytic model states marked (and,
+    if given, each bar's peak as a dot)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -105,8 +107,10 @@ def plot_memory(named_breakdowns: list[tuple[str, dict, float]], path: str, titl
             bottom += cats[cat] / 1e6
         ax.plot([i - 0.4, i + 0.4], [model_states / 1e6] * 2, "k--", lw=1.5,
                 label="analytic model states" if i == 0 else None)
+        if peaks:
+            ax.plot(i, peaks[i] / 1e6, "ko", ms=5, label="peak during the step" if i == 0 else None)
     ax.set_xticks(range(len(named_breakdowns)), [b[0] for b in named_breakdowns])
-    ax.set_ylabel("MB per rank (rank 0, at peak)")
+    ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.legend(fontsize=8, loc="upper right")
     fig.tight_layout()
@@ -155,35 +159,79 @@ def comm_rank_or_zero() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def run_memory_report(world_sizes=(1, 2, 3, 4), steps: int = 3, optimizer: str = "adamw",
+def run_memory_report(strategies=("ddp",), world_sizes=(1, 2, 3, 4), steps: int = 6, optimizer: str = "adamw",
                       plot: str | None = None, markdown: str | None = None, device: str = "cpu") -> list[dict]:
-    """Chapter 2: DDP's per-rank memory and traffic as N grows, measured next to the analytic model."""
+    """Chapters 2-4: per-rank memory and traffic of each strategy as N grows, measured vs analytic (rank 0)."""
     rows = []
     for n in world_sizes:
-        res = launch(train, n, device=device, kwargs=dict(strategy="ddp", model="gpt", optimizer=optimizer,
-                                                          steps=steps, global_batch=12, gpt_config=TOUR_MODEL))[0]
-        model = analytic.model_state_bytes(res["psi"], n, 0, bytes_per_param(optimizer))
-        rows.append({"world_size": n, "psi": res["psi"], "measured": res["after_step"],
-                     # on a GPU the caching allocator's peak is the truth; on the CPU, the tracked storages
-            "peak": res["allocator"].get("max_allocated", res["peak"]), "peak_by_category": res["peak_by_category"], "analytic": model,
-                     "bytes_per_step": sum(res["comm_bytes"].values()) / steps,
-                     "bytes_theory": analytic.comm_bytes_per_step(res["psi"], n, 0)})
-    lines = ["| N | params | grads | optimizer state | model states analytic (16Ψ) | activations + other at peak "
-             "| peak | bytes sent / step | 2Ψ(N−1)/N × 4 B |", "|" + "---|" * 9]
+        per_rank = launch(_train_all, n, device=device,
+                          kwargs=dict(strategies=list(strategies), steps=steps, optimizer=optimizer,
+                                      global_batch=12, config=TOUR_MODEL))
+        baseline = statistics.median(per_rank[0][strategies[0]]["step_times"])
+        for name in strategies:
+            res = per_rank[0][name]
+            row = strategy_rows(name, [res], [res], optimizer)[0]  # rank 0; no oracle needed here
+            rows.append({**row, "strategy": name, "world_size": n, "measured": res["after_step"],
+                         "peak_by_category": res["peak_by_category"], "psi": res["psi"],
+                         "time_vs_first": statistics.median(res["step_times"]) / baseline})
+    lines = ["| strategy | N | params | grads | optimizer state | model states (analytic) | activations + other "
+             f"at peak | peak | bytes sent / step | theory | step time vs {strategies[0]} |", "|" + "---|" * 11]
     for r in rows:
         m = r["measured"]
-        lines.append(f"| {r['world_size']} | {_fmt_bytes(m['params'])} | {_fmt_bytes(m['grads'])} "
-                     f"| {_fmt_bytes(m['optim'])} | {_fmt_bytes(r['analytic']['total'])} "
-                     f"| {_fmt_bytes(r['peak_by_category']['other'])} | {_fmt_bytes(r['peak'])} "
-                     f"| {_fmt_bytes(r['bytes_per_step'])} | {_fmt_bytes(r['bytes_theory'])} |")
-    text = (f"DDP, tiny GPT (Ψ = {rows[0]['psi']:,}), {optimizer}, global batch 12, per rank (rank 0)\n\n"
+        lines.append(f"| {r['strategy']} | {r['world_size']} | {_fmt_bytes(m['params'])} | {_fmt_bytes(m['grads'])} "
+                     f"| {_fmt_bytes(m['optim'])} | {_fmt_bytes(r['states_analytic'])} "
+                     f"| {_fmt_bytes(r['other_at_peak'])} | {_fmt_bytes(r['peak'])} "
+                     f"| {_fmt_bytes(r['bytes_per_step'])} | {_fmt_bytes(r['bytes_theory'])} "
+                     f"| {r['time_vs_first']:.2f} |")
+    text = (f"tiny GPT (Ψ = {rows[0]['psi']:,}), {optimizer}, global batch 12, per rank (rank 0), CPU\n\n"
             + "\n".join(lines))
     print(text)
     if markdown:
         with open(markdown, "w") as f:
             f.write(text + "\n")
     if plot:
-        plot_memory([(f"N={r['world_size']}", r["peak_by_category"], r["analytic"]["total"]) for r in rows],
-                    plot, "DDP: peak memory per rank by category")
+        label = (lambda r: f"N={r['world_size']}") if len(strategies) == 1 else \
+            (lambda r: f"{r['strategy']}\nN={r['world_size']}")
+        plot_memory([(label(r), r["measured"], r["states_analytic"]) for r in rows], plot,
+                    f"{', '.join(strategies)}: memory per rank after the optimizer step", peaks=[r["peak"] for r in rows],
+                    ylabel="MB per rank (rank 0)")
         print(f"\nwrote {plot}")
+    return rows
+
+
+def run_partition_report(world_sizes=(2, 3, 4, 5, 6, 7, 8), markdown: str | None = None) -> list[dict]:
+    """Chapter 3: how evenly each way of splitting the tiny GPT's parameters loads the ranks.
+
+    Imbalance = the largest rank's share over the mean share; every rank must be provisioned for the
+    largest, so 1.25 means 25% more memory than a perfect split. No process group is needed: a partition
+    is plain arithmetic on parameter sizes.
+    """
+    import torch
+
+    from minifsdp.models import TinyGPT
+    from minifsdp.oss import imbalance, partition_by_order, partition_parameters
+
+    def report(name, model):
+        groups = [{"params": list(model.parameters())}]
+        psi = sum(p.numel() for p in groups[0]["params"])
+        out = []
+        for n in world_sizes:
+            greedy = [[p for g in rank for p in g["params"]] for rank in partition_parameters(groups, n)]
+            flat = n * -(-psi // n) / psi  # a flat buffer cut into N equal slices: only the padding
+            out.append({"model": name, "world_size": n, "greedy": imbalance(greedy),
+                        "by_order": imbalance(partition_by_order(groups, n)), "flat": flat})
+        return out
+
+    huge = torch.nn.Sequential(torch.nn.Linear(1000, 1000), torch.nn.Linear(1000, 10))
+    rows = report(f"tiny GPT (Ψ = {sum(p.numel() for p in TinyGPT(TOUR_MODEL).parameters()):,})",
+                  TinyGPT(TOUR_MODEL)) + report("one 1000x1000 layer + a small one", huge)
+    lines = ["| model | N | greedy by size (OSS) | consecutive by order | flat slices |", "|---|---|---|---|---|"]
+    lines += [f"| {r['model']} | {r['world_size']} | {r['greedy']:.3f} | {r['by_order']:.3f} | {r['flat']:.4f} |"
+              for r in rows]
+    text = "Largest rank's share of the parameters (and so of the optimizer state) over the mean share\n\n" + \
+        "\n".join(lines)
+    print(text)
+    if markdown:
+        with open(markdown, "w") as f:
+            f.write(text + "\n")
     return rows

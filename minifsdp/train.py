@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn as nn
@@ -61,12 +61,17 @@ def _sdp(model, optimizer, find_unused):
     return ShardedDataParallel(model, opt, find_unused_parameters=find_unused), opt
 
 
-# name -> (build(model, optimizer name, find_unused) -> (model, optimizer), ZeRO stage for the analytic model)
-STRATEGIES: dict[str, tuple[Callable, int]] = {
-    "torch_ddp": (_torch_ddp, 0),
-    "ddp": (_ours_ddp, 0),
-    "oss": (_oss, 1),
-    "sdp": (_sdp, 2),
+class Strategy(NamedTuple):
+    build: Callable   # (model, optimizer name, find_unused) -> (wrapped model, optimizer)
+    stage: int        # ZeRO stage, for the analytic memory model
+    comm_passes: int  # bytes per step = comm_passes x Ψ x 4 x (N-1)/N (ring-equivalent)
+
+
+STRATEGIES: dict[str, Strategy] = {
+    "torch_ddp": Strategy(_torch_ddp, 0, 2),
+    "ddp": Strategy(_ours_ddp, 0, 2),            # all-reduce
+    "oss": Strategy(_oss, 1, 3),                 # DDP's all-reduce + the owners' broadcast
+    "sdp": Strategy(_sdp, 2, 2),                 # reduce to the owner + the owners' broadcast
 }
 
 
@@ -118,7 +123,7 @@ def train(strategy: str = "ddp", model: str = "gpt", optimizer: str = "adamw", s
     if single:
         wrapped, opt = net, OPTIMIZERS[optimizer](net.parameters())
     else:
-        wrapped, opt = STRATEGIES[strategy][0](net, optimizer, find_unused)
+        wrapped, opt = STRATEGIES[strategy].build(net, optimizer, find_unused)
     # The meter watches the model states all along, but tracks activations only in the last step: a
     # steady-state step (optimizer state exists), and the other steps run at full speed for the timings.
     meter = MemoryMeter(net, opt) if measure else None
