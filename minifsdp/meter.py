@@ -30,6 +30,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 CATEGORIES = ("params", "grads", "optim", "other")
+_active: list["MemoryMeter"] = []  # meters inside their `with` block
+
+
+def storage_resized(storage) -> None:
+    """Tell the active meters that `storage` changed size in place (storage.resize_ is not an op that a
+    dispatch mode sees). FSDP frees and re-allocates its unsharded parameters this way (chapter 6)."""
+    for meter in _active:
+        meter._resize(storage)
 
 
 def storage_bytes(tensors) -> int:
@@ -92,6 +100,16 @@ class MemoryMeter:
             self._by_cat[entry[1]] -= entry[0]  # e.g. an autograd output that just became p.grad
             self._by_cat[category] += entry[0]
             entry[1] = category
+        self._update_peak()
+
+    def _resize(self, storage) -> None:
+        entry = self._live.get(id(storage))
+        if entry is None:
+            self._track(storage, "other")
+            return
+        new = storage.nbytes()
+        self._by_cat[entry[1]] += new - entry[0]
+        entry[0] = new
         self._update_peak()
 
     def _free(self, key: int) -> None:
@@ -164,9 +182,11 @@ class MemoryMeter:
     def __enter__(self):
         self._mode = _Tracker(self)
         self._mode.__enter__()
+        _active.append(self)
         return self
 
     def __exit__(self, *exc):
+        _active.remove(self)
         self._mode.__exit__(*exc)
         self._mode = None
         return False

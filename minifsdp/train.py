@@ -26,6 +26,7 @@ from minifsdp.meter import MemoryMeter
 from minifsdp.oss import OSS
 from minifsdp.sdp import ShardedDataParallel
 from minifsdp.models import GPTConfig, TinyGPT, ToyModel, gpt_batch, toy_batch
+from minifsdp.state_dict import get_full_state_dict
 
 # SGD with momentum as well as AdamW: Adam divides by the gradient's own scale, so it hides a gradient
 # that is off by a factor of N; SGD does not.
@@ -55,6 +56,17 @@ def _oss(model, optimizer, find_unused):
     return wrapped, OSS(model.parameters(), optim=cls, **kw)
 
 
+def _fsdp(reshard_after_forward):
+    def build(model, optimizer, find_unused):
+        from minifsdp.fsdp import FullyShardedDataParallel, ModuleWrapPolicy
+        from minifsdp.models import Block
+
+        wrapped = FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({Block, ToyModel}),
+                                           reshard_after_forward=reshard_after_forward)
+        return wrapped, OPTIMIZERS[optimizer](wrapped.parameters())  # built after wrapping: the shards
+    return build
+
+
 def _sdp(model, optimizer, find_unused):
     cls, kw = OPTIMIZER_SPECS[optimizer]
     opt = OSS(model.parameters(), optim=cls, **kw)
@@ -72,6 +84,7 @@ STRATEGIES: dict[str, Strategy] = {
     "ddp": Strategy(_ours_ddp, 0, 2),            # all-reduce
     "oss": Strategy(_oss, 1, 3),                 # DDP's all-reduce + the owners' broadcast
     "sdp": Strategy(_sdp, 2, 2),                 # reduce to the owner + the owners' broadcast
+    "fsdp": Strategy(_fsdp(True), 3, 3),         # all-gather in forward and in backward + reduce-scatter
 }
 
 
@@ -119,6 +132,7 @@ def train(strategy: str = "ddp", model: str = "gpt", optimizer: str = "adamw", s
     single = strategy == "single"
     rank, n = (0, 1) if single else (comm.rank(), comm.world_size())
     net = build_model(model, seed + (rank if rank_seeds else 0), gpt_config).to(device)
+    psi = sum(p.numel() for p in net.parameters())  # before any wrapper replaces them with shards
     find_unused = model == "toy"  # the toy model leaves a parameter unused in some steps
     if single:
         wrapped, opt = net, OPTIMIZERS[optimizer](net.parameters())
@@ -126,7 +140,7 @@ def train(strategy: str = "ddp", model: str = "gpt", optimizer: str = "adamw", s
         wrapped, opt = STRATEGIES[strategy].build(net, optimizer, find_unused)
     # The meter watches the model states all along, but tracks activations only in the last step: a
     # steady-state step (optimizer state exists), and the other steps run at full speed for the timings.
-    meter = MemoryMeter(net, opt) if measure else None
+    meter = MemoryMeter(wrapped, opt) if measure else None
     losses, times = [], []
     with comm.counting() if not single else contextlib.nullcontext() as counter:
         for step in range(steps):
@@ -150,7 +164,7 @@ def train(strategy: str = "ddp", model: str = "gpt", optimizer: str = "adamw", s
     if meter:
         meter.close()
     return {
-        "params": {k: v.detach().cpu().clone() for k, v in net.state_dict().items()},
+        "params": {k: v.cpu() for k, v in get_full_state_dict(wrapped).items()},
         "losses": losses,
         "step_times": times[1:] or times,  # the first step pays for lazy initialisation
         "peak": meter.peak if meter else None,
@@ -160,7 +174,7 @@ def train(strategy: str = "ddp", model: str = "gpt", optimizer: str = "adamw", s
         "comm_bytes": dict(counter.bytes) if counter else {},
         "comm_calls": dict(counter.calls) if counter else {},
         "steps": steps,
-        "psi": sum(p.numel() for p in net.parameters()),
+        "psi": psi,
         "world_size": n,
     }
 

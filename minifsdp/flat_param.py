@@ -1,0 +1,124 @@
+"""Chapter 5: the FlatParameter -- one unit's parameters as a single flat, padded, sharded tensor.
+
+ZeRO-3 shards the parameters themselves. Sharding each parameter separately would mean one collective
+per tensor (hundreds per step, each too small to use the network well); sharding whole tensors (as OSS
+does) cannot balance a model with one big tensor. So, as PyTorch FSDP does, we *flatten*: the parameters
+of one unit (say, a transformer block) are concatenated into one 1-D tensor, padded to a multiple of N,
+and cut into N equal shards. Each rank keeps only its shard -- the one tensor the optimizer sees.
+
+    unit parameters  w (2x3), b (3)        ->  flat [w00 w01 w02 w10 w11 w12 b0 b1 b2 | pad pad pad]
+    N = 4, padded to 12                    ->  rank 0 [w00 w01 w02]   rank 1 [w10 w11 w12] ...
+
+unshard(): all-gather the shards into one buffer of the padded size, and make each original parameter a
+*view* into that buffer (`module.weight` becomes `flat[0:6].view(2, 3)`). Views, because copying out of
+the all-gather buffer would cost time and a second copy of the memory; the price is that the buffer
+lives as long as anything uses a view -- which is why the PyTorch FSDP notes count 2x buffers.
+
+reshard(): free the buffer's memory -- its *storage* is resized to zero, so autograd's saved views stay
+valid objects while costing nothing -- and let the parameter point at the shard again. The next unshard
+re-allocates the storage and all-gathers into it, in place, so those saved views see the data again.
+
+Gradients: the views are cut from the flat parameter itself, so autograd sums every original gradient
+into one flat gradient of the padded size. reduce_scatter_grad() turns it into this rank's shard of the
+averaged gradient: the shape of the parameter the optimizer steps.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from minifsdp import comm
+from minifsdp.meter import storage_resized
+
+
+def _free_storage(t: torch.Tensor) -> None:
+    t.untyped_storage().resize_(0)
+    storage_resized(t.untyped_storage())
+
+
+def _alloc_storage(t: torch.Tensor) -> None:
+    t.untyped_storage().resize_(t.numel() * t.element_size())
+    storage_resized(t.untyped_storage())
+
+
+class FlatParameter:
+    """The parameters of one unit as one sharded flat tensor. `param` is what the optimizer steps.
+
+    places: (module, attribute name) of each original parameter; a tied parameter appears at several
+            places but is stored once (its places all get the same view).
+    """
+
+    def __init__(self, places: list[tuple[nn.Module, str]], requires_grad: bool = True):
+        self.rank, self.world_size = comm.rank(), comm.world_size()
+        self.places = places
+        params, self.index = [], []  # index[i]: which of `params` the i-th place shows
+        for module, name in places:
+            p = getattr(module, name)
+            if not any(p is q for q in params):
+                params.append(p)
+            self.index.append(next(i for i, q in enumerate(params) if q is p))
+        self.shapes = [p.shape for p in params]
+        self.numels = [p.numel() for p in params]
+        self.numel = sum(self.numels)
+        # BEGIN EXERCISE 5.1: flatten, pad to a multiple of N, keep this rank's shard
+        self.shard_numel = -(-self.numel // self.world_size)  # ceil: every shard the same size
+        padded = torch.zeros(self.shard_numel * self.world_size, dtype=params[0].dtype, device=params[0].device)
+        padded[: self.numel] = torch.cat([p.detach().reshape(-1) for p in params])
+        start = self.rank * self.shard_numel
+        shard = padded[start: start + self.shard_numel].clone()  # a copy: `padded` itself is dropped
+        # END EXERCISE
+        self.param = nn.Parameter(shard, requires_grad=requires_grad)
+        self._shard = shard                          # the one copy that persists
+        self._full = torch.empty_like(padded)        # the all-gather buffer; no memory while sharded
+        _free_storage(self._full)
+        self.is_unsharded = False
+        self.saved_grad = None                       # see FullyShardedDataParallel._pre_backward
+        for module, name in places:                  # the originals live on only as views
+            delattr(module, name)
+        for p in params:
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)  # and an old reference holds nothing
+        self._set_views(use_full=False)
+
+    def unshard(self) -> None:
+        """All-gather the full parameters and point every original parameter at its view into them."""
+        if self.is_unsharded:
+            return
+        _alloc_storage(self._full)
+        comm.all_gather(self._full, self._shard, tag="unshard")
+        self.param.data = self._full
+        self._set_views(use_full=True)
+        self.is_unsharded = True
+
+    def reshard(self) -> None:
+        """Back to the shard only: the unsharded buffer's memory is released (its views stay as objects)."""
+        if not self.is_unsharded:
+            return
+        self.param.data = self._shard
+        _free_storage(self._full)
+        self._set_views(use_full=False)
+        self.is_unsharded = False
+
+    def _set_views(self, use_full: bool) -> None:
+        if use_full:
+            # Cut from self.param (now the full buffer), so autograd sends their gradients into param.grad
+            views = self.param[: self.numel].split(self.numels)
+        else:  # sharded: the originals are not usable; empty tensors make a stray use fail loudly
+            views = [torch.empty(0, dtype=self._shard.dtype, device=self._shard.device)] * len(self.numels)
+        for (module, name), i in zip(self.places, self.index):
+            setattr(module, name, views[i].view(self.shapes[i]) if use_full else views[i])
+
+    def write_back_shard(self) -> None:
+        """Copy this rank's slice of the (edited) full parameters back into its shard."""
+        start = self.rank * self.shard_numel
+        with torch.no_grad():
+            self._shard.copy_(self._full[start: start + self.shard_numel])
+
+    def reduce_scatter_grad(self, full_grad: torch.Tensor):
+        """Start averaging the flat gradient across ranks; returns (async handle, this rank's shard of it)."""
+        # BEGIN EXERCISE 5.2: this rank's shard of the averaged flat gradient, with one reduce-scatter
+        full_grad = full_grad.mul(1.0 / self.world_size)  # average as DDP does: multiply by 1/N first
+        grad_shard = torch.empty_like(self._shard)
+        handle = comm.reduce_scatter(grad_shard, full_grad, async_op=True, tag="reduce_scatter")
+        # END EXERCISE
+        return handle, grad_shard

@@ -1,0 +1,263 @@
+"""Chapter 6: the FSDP runtime -- units, and the hooks that unshard and reshard them around compute.
+
+    model = FullyShardedDataParallel(TinyGPT(), auto_wrap_policy=ModuleWrapPolicy({Block}))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)     # built AFTER wrapping: over the shards
+    model(x, y).backward(); optimizer.step()
+
+Units. `auto_wrap_policy` picks submodules (by class, or by parameter count) and wraps each in its own
+FullyShardedDataParallel, innermost first; every unit owns the parameters of its subtree that no nested
+unit owns, as one FlatParameter -- one all-gather and one reduce-scatter per unit (the PyTorch FSDP
+notes' "communication group"). The outermost instance is the root.
+
+One step, per unit:
+    forward:   unshard (all-gather) -> compute -> reshard (free the full parameters again), except the
+               root, whose parameters are needed first in backward anyway, and units built with
+               reshard_after_forward=False (they keep them: ZeRO-2-like memory, one all-gather fewer).
+    backward:  when the gradient of the unit's output arrives, unshard again -> compute -> when the
+               flat gradient is complete, reduce-scatter it (asynchronously) and reshard.
+    end:       before backward() returns, wait for every reduce-scatter and leave each rank's shard of
+               the averaged gradient in `.grad` of the flat parameter, which is what the optimizer steps.
+
+Parameters inside a unit that get no gradient in a step get a zero gradient in the flat one (so, unlike
+DDP, momentum and weight decay still act on them); a whole unit must take part in every forward on every
+rank that computes a loss.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn as nn
+from torch.utils._pytree import tree_leaves
+
+from minifsdp import comm
+from minifsdp.flat_param import FlatParameter
+
+
+class ModuleWrapPolicy:
+    """Wrap every submodule whose class is in `classes` (e.g. {Block}) in its own unit."""
+
+    def __init__(self, classes):
+        self.classes = tuple(classes)
+
+    def __call__(self, module: nn.Module, unowned_numel: int) -> bool:
+        return isinstance(module, self.classes)
+
+
+class SizeBasedWrapPolicy:
+    """Wrap a submodule once the parameters not yet in a nested unit reach `min_num_params`."""
+
+    def __init__(self, min_num_params: int = 100_000_000):
+        self.min_num_params = min_num_params
+
+    def __call__(self, module: nn.Module, unowned_numel: int) -> bool:
+        return unowned_numel >= self.min_num_params
+
+
+def _unowned_numel(module: nn.Module) -> int:
+    seen = set()
+    for m in _modules_not_in_units(module):
+        for p in m.parameters(recurse=False):
+            seen.add(p)
+    return sum(p.numel() for p in seen)
+
+
+def _modules_not_in_units(module: nn.Module):
+    """`module` and its descendants, stopping at nested units (they own their own subtrees)."""
+    yield module
+    for child in module.children():
+        if not isinstance(child, FullyShardedDataParallel):
+            yield from _modules_not_in_units(child)
+
+
+def _wrap_children(module: nn.Module, policy, uses: dict, prefix: str = "", **kwargs) -> None:
+    """Post-order: wrap the deepest matching submodules first, so outer units own what is left.
+
+    uses: every parameter -> the qualified names it appears under (a tied parameter has several).
+    """
+    for name, child in module.named_children():
+        if isinstance(child, FullyShardedDataParallel):
+            continue
+        path = f"{prefix}{name}."
+        _wrap_children(child, policy, uses, path, **kwargs)
+        if policy(child, _unowned_numel(child)):
+            for p in child.parameters():
+                outside = [n for n in uses[p] if not n.startswith(path)]
+                if outside:
+                    inside = next(n for n in uses[p] if n.startswith(path))
+                    raise ValueError(f"{inside!r} is tied to {outside[0]!r}, but the wrap policy puts them in "
+                                     f"different units: tied parameters must live in the same unit (wrap a "
+                                     f"module that contains both)")
+            setattr(module, name, FullyShardedDataParallel(child, **kwargs))
+
+
+class FullyShardedDataParallel(nn.Module):
+    """ZeRO-3: every rank keeps 1/N of the parameters, gradients and optimizer state (16Ψ/N with AdamW).
+
+    reshard_after_forward: free the full parameters after forward (True: ZeRO-3, all-gather them again
+                           in backward) or keep them until backward (False: more memory, less traffic).
+    sync_module_states:    broadcast rank 0's parameters and buffers before sharding (check the shapes
+                           agree across ranks first).
+    """
+
+    def __init__(self, module: nn.Module, auto_wrap_policy=None, reshard_after_forward: bool = True,
+                 sync_module_states: bool = True):
+        super().__init__()
+        comm.require_process_group()
+        if isinstance(module, FullyShardedDataParallel) or getattr(module, "_fsdp_wrapped", False):
+            raise ValueError(f"{type(module).__name__} is already wrapped in FullyShardedDataParallel; "
+                             "wrap each module once (nested units come from auto_wrap_policy)")
+        module._fsdp_wrapped = True
+        self.reshard_after_forward = reshard_after_forward
+        if sync_module_states:  # every rank starts from rank 0's weights and buffers, as under DDP --
+            # before anything is sharded (afterwards each rank's shard is its own, not rank 0's)
+            comm.assert_same_across_ranks(list(module.named_parameters()) + list(module.named_buffers()))
+            with torch.no_grad():
+                for t in list(module.parameters()) + list(module.buffers()):
+                    comm.broadcast(t, src=0)
+        if auto_wrap_policy is not None:
+            uses = {}
+            for name, p in module.named_parameters(remove_duplicate=False):
+                uses.setdefault(p, []).append(name)
+            _wrap_children(module, auto_wrap_policy, uses, reshard_after_forward=reshard_after_forward,
+                           sync_module_states=False)
+        self.module = module
+        self.flat_params = self._flatten_own_parameters()
+        for i, flat in enumerate(self.flat_params):
+            self.register_parameter(f"flat_param_{i}", flat.param)
+            if flat.param.requires_grad:
+                flat.param.register_post_accumulate_grad_hook(
+                    lambda p, flat=flat: self._post_backward(flat))
+        # The root is the outermost unit; it is built last and claims every unit inside it. (Kept in
+        # __dict__, not as an attribute nn.Module would register: a submodule pointing up makes a cycle.)
+        self.__dict__["_root_unit"] = self
+        for unit in module.modules():
+            if isinstance(unit, FullyShardedDataParallel):
+                unit.__dict__["_root_unit"] = self
+        self._pending = []            # reduce-scatters in flight (root only)
+        self._callback_queued = False  # root only
+        self._backward_started = False
+
+    def _flatten_own_parameters(self) -> list[FlatParameter]:
+        """One FlatParameter for the trainable parameters this unit owns, one for the frozen ones."""
+        places = {True: [], False: []}
+        for m in _modules_not_in_units(self.module):
+            for name, p in m.named_parameters(recurse=False):
+                places[p.requires_grad].append((m, name))
+        return [FlatParameter(places[rg], requires_grad=rg) for rg in (True, False) if places[rg]]
+
+    # -- forward ----------------------------------------------------------------------------------------------
+    @property
+    def is_root(self) -> bool:
+        return self._root_unit is self
+
+    def forward(self, *args, **kwargs):
+        for flat in self.flat_params:
+            flat.unshard()
+        out = self.module(*args, **kwargs)
+        grads_coming = torch.is_grad_enabled() and any(
+            isinstance(t, torch.Tensor) and t.requires_grad for t in tree_leaves(out))
+        # the root keeps its parameters: its backward is the first to run, right after forward
+        if not grads_coming or (self.reshard_after_forward and not self.is_root):
+            for flat in self.flat_params:
+                flat.reshard()
+        if grads_coming:
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(self._pre_backward)
+        return out
+
+    # -- backward ---------------------------------------------------------------------------------------------
+    def _pre_backward(self, grad):
+        """The gradient of this unit's output has arrived: its own backward is next."""
+        if not self._backward_started:
+            self._backward_started = True
+            root = self._root_unit
+            if not root._callback_queued:
+                root._callback_queued = True
+                torch.autograd.Variable._execution_engine.queue_callback(root._finish_backward)
+            for flat in self.flat_params:
+                flat.unshard()
+                # a gradient shard left from an earlier backward (accumulation) cannot take the full-size
+                # gradient autograd is about to produce: set it aside, add it back at the end
+                flat.saved_grad, flat.param.grad = flat.param.grad, None
+        return grad
+
+    def _post_backward(self, flat: FlatParameter) -> None:
+        """The flat gradient is complete: average it across ranks (async) and free the full parameters."""
+        full_grad = flat.param.grad
+        flat.param.grad = None
+        handle, grad_shard = flat.reduce_scatter_grad(full_grad)
+        self._root_unit._pending.append((flat, handle, grad_shard, full_grad))
+        flat.reshard()
+
+    def _finish_backward(self) -> None:
+        """End of backward (root only): wait for the reduce-scatters, hand the shards to the optimizer."""
+        for flat, handle, grad_shard, _full_grad in self._pending:  # _full_grad: alive until sent
+            handle.wait()
+            flat.param.grad = grad_shard if flat.saved_grad is None else flat.saved_grad + grad_shard
+            flat.saved_grad = None
+        self._pending = []
+        for unit in self.units():
+            unit._backward_started = False
+            for flat in unit.flat_params:
+                flat.reshard()  # the root, and any unit whose parameters got no gradient
+        self._callback_queued = False
+
+    # -- utilities ---------------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def summon_full_params(self, writeback: bool = False):
+        """Inside the block every original parameter holds its full value; with writeback=True, changes
+        made to them inside the block are kept (each rank copies its slice back into its shard)."""
+        flats = [flat for unit in self.units() for flat in unit.flat_params]
+        with torch.no_grad():
+            for flat in flats:
+                flat.unshard()
+            try:
+                yield
+            finally:
+                for flat in flats:
+                    if writeback:
+                        flat.write_back_shard()
+                    flat.reshard()
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The unsharded state dict, with the names the model had before wrapping (on every rank)."""
+        names = {id(m): prefix for prefix, m in _names_without_wrappers(self.module)}
+        out = {}
+        with self.summon_full_params():
+            for prefix, m in _names_without_wrappers(self.module):
+                for name, b in m.named_buffers(recurse=False):
+                    out[prefix + name] = b.detach().clone()
+            for unit in self.units():
+                for flat in unit.flat_params:
+                    for module, name in flat.places:
+                        out[names[id(module)] + name] = getattr(module, name).detach().clone()
+        return out
+
+    def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        names = {id(m): prefix for prefix, m in _names_without_wrappers(self.module)}
+        with self.summon_full_params(writeback=True):
+            for prefix, m in _names_without_wrappers(self.module):
+                for name, b in m.named_buffers(recurse=False):
+                    b.copy_(state_dict[prefix + name])
+            for unit in self.units():
+                for flat in unit.flat_params:
+                    for module, name in flat.places:
+                        getattr(module, name).copy_(state_dict[names[id(module)] + name])
+
+    def units(self) -> list["FullyShardedDataParallel"]:
+        return [u for u in self.modules() if isinstance(u, FullyShardedDataParallel)]
+
+
+FSDP = FullyShardedDataParallel
+
+
+def _names_without_wrappers(module: nn.Module, prefix: str = ""):
+    """(qualified name + ".", module) for every module, as named before wrapping: a unit adds no name."""
+    yield prefix, module
+    for name, child in module.named_children():
+        if isinstance(child, FullyShardedDataParallel):
+            child = child.module
+        yield from _names_without_wrappers(child, prefix + name + ".")
