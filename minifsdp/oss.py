@@ -27,6 +27,7 @@ import torch
 from minifsdp import comm
 
 
+# --8<-- [start:partition]
 def partition_parameters(param_groups: list[dict], world_size: int) -> list[list[dict]]:
     """partition[rank][group_index] = that group (its hyper-parameters) with only the params `rank` owns."""
     sizes = [0] * world_size
@@ -42,6 +43,7 @@ def partition_parameters(param_groups: list[dict], world_size: int) -> list[list
         for rank in range(world_size):
             partition[rank].append({**group, "params": owned[rank]})
     return partition
+# --8<-- [end:partition]
 
 
 def partition_by_order(param_groups: list[dict], world_size: int) -> list[list[torch.Tensor]]:
@@ -71,6 +73,7 @@ class OSS(torch.optim.Optimizer):
                         every rank's share is padded to the largest share).
     """
 
+    # --8<-- [start:init]
     def __init__(self, params, optim: type[torch.optim.Optimizer] = torch.optim.SGD,
                  param_sync: str = "broadcast", **defaults):
         comm.require_process_group()
@@ -84,6 +87,7 @@ class OSS(torch.optim.Optimizer):
         self.optim = optim(self._partition[self.rank], **defaults)
         self._fill_defaults()
         self.state = self.optim.state  # the state that exists is the local one (the meter reads it here)
+    # --8<-- [end:init]
 
     def _all_params(self) -> list[torch.Tensor]:
         return [p for group in self.param_groups for p in group["params"]]
@@ -94,6 +98,7 @@ class OSS(torch.optim.Optimizer):
     def owned_params(self, rank: int) -> list[torch.Tensor]:
         return [p for group in self._partition[rank] for p in group["params"]]
 
+    # --8<-- [start:param_groups]
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
         if not hasattr(self, "optim"):
@@ -109,7 +114,9 @@ class OSS(torch.optim.Optimizer):
         for global_group, local_group in zip(self.param_groups, self.optim.param_groups):
             for k, v in local_group.items():
                 global_group.setdefault(k, v)
+    # --8<-- [end:param_groups]
 
+    # --8<-- [start:step]
     @torch.no_grad()
     def step(self, closure=None):
         # LR schedulers change self.param_groups: carry every hyper-parameter over to the local groups
@@ -133,8 +140,11 @@ class OSS(torch.optim.Optimizer):
             comm.broadcast(flat, src=owner, tag=f"params of rank {owner}")
             if owner != self.rank:
                 _unflatten_into(flat, params)
+            del flat  # before the next owner's bucket is allocated: one share-sized buffer at a time
             # END EXERCISE
+    # --8<-- [end:step]
 
+    # --8<-- [start:all_gather]
     def _all_gather_params(self, shares) -> None:
         """One all-gather instead of N broadcasts: fewer calls, but every share is padded to the largest."""
         width = max(_numel(s) for s in shares)
@@ -147,11 +157,13 @@ class OSS(torch.optim.Optimizer):
         for owner, params in enumerate(shares):
             if owner != self.rank and params:
                 _unflatten_into(everything[owner * width: owner * width + _numel(params)], params)
+    # --8<-- [end:all_gather]
 
     # -- state dicts: one full state, in the format of a plain optimizer over the same parameters ----------
     def _global_index(self) -> dict:
         return {p: i for i, p in enumerate(self._all_params())}
 
+    # --8<-- [start:state_dict]
     def consolidate_state_dict(self, to: int = 0) -> None:
         """Gather every rank's shard of the state into one full state dict, kept on rank `to`."""
         index = self._global_index()
@@ -177,9 +189,14 @@ class OSS(torch.optim.Optimizer):
             raise RuntimeError("OSS.state_dict() returns the full state, which no single rank holds: call "
                                "consolidate_state_dict(to=r) on every rank first, then state_dict() on rank r")
         return consolidated
+    # --8<-- [end:state_dict]
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Load a full state dict (from OSS.state_dict() at any world size, or from a plain optimizer)."""
+        """Load a full state dict (from OSS.state_dict() at any world size, or from a plain optimizer).
+
+        As torch's optimizers do, this rank's part of the state is used in place, not copied: stepping
+        changes the tensors of `state_dict`, so load one dict into one optimizer (deepcopy it otherwise).
+        """
         groups = state_dict["param_groups"]
         if len(groups) != len(self.param_groups):
             raise ValueError(f"the state dict has {len(groups)} param groups, this optimizer "

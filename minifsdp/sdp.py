@@ -22,6 +22,7 @@ the gradient memory.
 
 from __future__ import annotations
 
+import torch
 import torch.nn as nn
 
 from minifsdp import comm
@@ -39,6 +40,7 @@ class ShardedDataParallel(DistributedDataParallel):
 
     rebuild_buckets = False  # buckets are grouped by owner; a rebuild by arrival order would mix owners
 
+    # --8<-- [start:init]
     def __init__(self, module: nn.Module, sharded_optimizer: OSS, bucket_cap_mb: float = 25.0,
                  broadcast_buffers: bool = True, find_unused_parameters: bool = False):
         if not isinstance(sharded_optimizer, OSS):
@@ -47,6 +49,7 @@ class ShardedDataParallel(DistributedDataParallel):
                             f"OSS(model.parameters(), optim={type(sharded_optimizer).__name__}, ...)")
         self.sharded_optimizer = sharded_optimizer
         self.rank = comm.rank()
+        self._reduced, self._saved = set(), {}  # see forward
         super().__init__(module, bucket_cap_mb, broadcast_buffers, find_unused_parameters)
 
     def _owners(self) -> dict:
@@ -56,7 +59,9 @@ class ShardedDataParallel(DistributedDataParallel):
                 raise ValueError(f"parameter {name!r} requires grad but is not in the sharded optimizer, so no "
                                  f"rank owns its gradient. Build the OSS over module.parameters().")
         return owner
+    # --8<-- [end:init]
 
+    # --8<-- [start:bucket_groups]
     def _bucket_groups(self, params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
         """Buckets of one owner each, in the order they fill up as backward produces gradients."""
         owner = self._owners()
@@ -79,19 +84,31 @@ class ShardedDataParallel(DistributedDataParallel):
         owner = self._owners()
         for bucket in self._buckets:
             bucket.owner = owner[bucket.params[0]]
+    # --8<-- [end:bucket_groups]
 
+    # --8<-- [start:trainable]
     def forward(self, *args, **kwargs):
         now = {p for p in self.module.parameters() if p.requires_grad}
         if now != self._trainable:
             changed = sorted(self._names[p] for p in now ^ self._trainable)
             raise RuntimeError(f"the set of trainable parameters changed since ShardedDataParallel was built "
                                f"({changed}); call refresh_trainable() so their gradients are routed")
+        if torch.is_grad_enabled():
+            # An owner's .grad may still hold the average of an earlier backward (no zero_grad since).
+            # Under DDP every rank holds that average, so adding new gradients and averaging again is
+            # right; here only the owner does, so set it aside and add it back after this reduction.
+            for p in self._reduced:
+                if p.grad is not None:
+                    self._saved[p], p.grad = p.grad, None
+            self._reduced = set()
         return super().forward(*args, **kwargs)
 
     def refresh_trainable(self) -> None:
         """Re-plan buckets and hooks after parameters were frozen or unfrozen."""
         self._setup_buckets_and_hooks()
+    # --8<-- [end:trainable]
 
+    # --8<-- [start:launch]
     def _launch(self, bucket: _Bucket) -> None:
         # BEGIN EXERCISE 4.1: reduce the bucket to its owner; the other ranks drop those gradients now
         bucket.flat = self._flatten(bucket)
@@ -100,12 +117,20 @@ class ShardedDataParallel(DistributedDataParallel):
             for p in bucket.params:
                 p.grad = None  # already copied into the flat bucket: this is the memory ZeRO-2 saves
         # END EXERCISE
+    # --8<-- [end:launch]
 
+    # --8<-- [start:write_back]
     def _write_back(self, bucket: _Bucket, globally_used) -> None:
         if bucket.owner == self.rank:
             super()._write_back(bucket, globally_used)  # the owner gets the average, as under DDP
+            for p in bucket.params:
+                saved = self._saved.pop(p, None)
+                if saved is not None:
+                    p.grad = saved if p.grad is None else p.grad.add_(saved)
+                self._reduced.add(p)
         else:
             bucket.handle.wait()  # a non-owner's flat is scratch: wait, then let it go
+    # --8<-- [end:write_back]
 
 
 SDP = ShardedDataParallel
