@@ -9,8 +9,9 @@ and gives rank r the r-th contiguous 1/N of it. Two things follow:
   reduce-scattered (each rank gets the sum of its own 1/N only), the owner steps its slice, and the
   parameters are all-gathered back. Per step: 2 x padded bytes x (N-1)/N, DDP's 2Ψ(N-1)/N.
 
-    FlatOSS(params, optim=torch.optim.AdamW, bucket_cap_mb=None, lr=...)   # ZeRO-1, used without DDP
-    FlatShardedDataParallel(module, FlatOSS(..., bucket_cap_mb=1))          # ZeRO-2
+    opt = FlatOSS(model.parameters(), optim=torch.optim.AdamW, bucket_cap_mb=1, lr=3e-3)  # ZeRO-1 (no DDP)
+    model = FlatShardedDataParallel(model, opt)                                           # ... and ZeRO-2
+    loss = model(x, y); loss.backward(); opt.step(); opt.zero_grad()
 
 ZeRO-1 (FlatOSS alone): backward leaves each rank its full local gradients; step() reduce-scatters them
 into the owned slice's gradient, steps the slice, all-gathers the parameters. Every rank keeps the
@@ -34,7 +35,7 @@ is None. The two agree whenever every trainable parameter gets a gradient. Optim
 element-wise (per-tensor norms: LAMB, Adafactor) see a slice instead of a parameter and legitimately
 differ.
 
-Run it on 2 CPU ranks (a tiny GPT, 3 steps of ZeRO-2 with AdamW):
+Run it on 2 CPU ranks (`demo` below: a tiny GPT, 3 steps of ZeRO-2 with AdamW):
 
     python -c "from minifsdp import launch; from minifsdp.flat import demo; print(launch(demo, world_size=2))"
 """
@@ -51,6 +52,7 @@ from minifsdp import comm
 from minifsdp.ddp import _pack, _params_reached_from
 
 
+# --8<-- [start:layout]
 # Each param starts on a 64-byte boundary, as it would in a tensor of its own: CPU matrix kernels take
 # another code path (so round differently) for unaligned data, and the params must compute as DDP's do.
 ALIGN_BYTES = 64
@@ -65,6 +67,7 @@ def _layout(params: list[nn.Parameter], world_size: int) -> tuple[list[int], int
         end = offsets[-1] + p.numel()
     unit = math.lcm(align, world_size)  # a multiple of N, and the next bucket starts aligned
     return offsets, -(-end // unit) * unit
+# --8<-- [end:layout]
 
 
 class FlatBucket:
@@ -114,6 +117,7 @@ class FlatOSS(torch.optim.Optimizer):
         # The layout must be identical on every rank, or the collectives would mix up slices.
         comm.assert_same_across_ranks([(f"param_groups[{g}][{i}]", p) for g, group in enumerate(self.param_groups)
                                        for i, p in enumerate(group["params"])])
+        # --8<-- [start:buffers]
         cap = math.inf if bucket_cap_mb is None else bucket_cap_mb * 1024 * 1024
         self.buckets, self._buffers = [], []
         for g, group in enumerate(self.param_groups):
@@ -139,6 +143,7 @@ class FlatOSS(torch.optim.Optimizer):
                     p.data = view  # the param now lives in the flat buffer
                 self.buckets.append(bucket)
                 start += size
+        # --8<-- [end:buffers]
         if not self.buckets:
             raise ValueError("FlatOSS got no trainable parameters")
         for buffer in self._buffers:
@@ -162,6 +167,7 @@ class FlatOSS(torch.optim.Optimizer):
     def _hyper(self, g: int) -> dict:
         return {k: v for k, v in self.param_groups[g].items() if k != "params"}
 
+    # --8<-- [start:step]
     @torch.no_grad()
     def step(self, closure=None):
         loss = None
@@ -185,6 +191,7 @@ class FlatOSS(torch.optim.Optimizer):
             comm.all_gather(b.flat, b.shard, tag="params")
         # END EXERCISE
         return loss
+    # --8<-- [end:step]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none=set_to_none)
@@ -287,6 +294,8 @@ class FlatShardedDataParallel(nn.Module):
             raise TypeError(f"FlatShardedDataParallel needs a FlatOSS (it reduce-scatters into the FlatOSS's "
                             f"flat shards), got {type(flat_optimizer).__name__}. Build one with "
                             f"FlatOSS(module.parameters(), optim=<optimizer class>, bucket_cap_mb=..., lr=...)")
+        if not flat_optimizer.reduce_in_step:
+            raise ValueError("this FlatOSS already belongs to a FlatShardedDataParallel")
         if flat_optimizer.bucket_cap_mb is None:
             raise ValueError("FlatShardedDataParallel needs a FlatOSS built with bucket_cap_mb=...: its buckets "
                              "are reduce-scattered one by one during backward, and with bucket_cap_mb=None a "
@@ -345,7 +354,9 @@ class FlatShardedDataParallel(nn.Module):
         self._ready[self._index_of[p]] += 1
         self._launch_ready_buckets()
 
+    # --8<-- [start:launch]
     def _launch_ready_buckets(self) -> None:
+        self._retire(wait=False)  # inputs of reduce-scatters already done can go now, not at the end
         while self._next < len(self._buckets) and \
                 self._ready[self._next] == len(self._buckets[self._next].params):
             bucket = self._buckets[self._next]
@@ -354,26 +365,35 @@ class FlatShardedDataParallel(nn.Module):
             chunk = torch.empty_like(bucket.shard)
             handle = comm.reduce_scatter(chunk, flat, async_op=True, tag=f"bucket{self._next}")
             for p in bucket.params:
-                p.grad = None  # the sum of this rank's chunk is on its way; the rest is others' business
+                p.grad = None  # this rank's chunk of the sum is on its way; the rest is the other ranks' business
             self._in_flight.append((bucket, chunk, flat, handle))
             # END EXERCISE
             self._next += 1
+    # --8<-- [end:launch]
+
+    def _retire(self, wait: bool) -> None:
+        """Hand finished reduce-scatters to the optimizer and drop their inputs (all of them, if `wait`)."""
+        pending = []
+        for bucket, chunk, flat, handle in self._in_flight:
+            if not wait and not handle.is_completed():
+                pending.append((bucket, chunk, flat, handle))
+                continue
+            handle.wait()
+            if bucket.shard.grad is None:
+                bucket.shard.grad = chunk
+            else:  # two synced backward passes without zero_grad(): gradients add up, as in DDP
+                bucket.shard.grad.add_(chunk)
+        self._in_flight = pending
 
     def _finish(self) -> None:
-        """End of backward: every bucket must have gone out; wait, and hand the chunks to the optimizer."""
+        """End of backward: every bucket must have gone out; wait for them all."""
         self._finish_queued = False
         if self._next < len(self._buckets):
             names = {p: n for n, p in self.module.named_parameters()}
             missing = [names[p] for b in self._buckets[self._next:] for p in b.params if p.grad is None]
             raise RuntimeError(f"FlatShardedDataParallel: these parameters are reached from the output but got "
                                f"no gradient in this backward pass, so their buckets were never reduced: {missing}")
-        for bucket, chunk, _, handle in self._in_flight:
-            handle.wait()
-            if bucket.shard.grad is None:
-                bucket.shard.grad = chunk
-            else:  # two synced backward passes without zero_grad(): gradients add up, as in DDP
-                bucket.shard.grad.add_(chunk)
-        self._in_flight = []
+        self._retire(wait=True)
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -386,7 +406,7 @@ class FlatShardedDataParallel(nn.Module):
 
 
 def demo(steps: int = 3) -> dict:
-    """Three ZeRO-2 steps of a tiny GPT on this rank: the losses, and the bytes it holds and sends."""
+    """A few ZeRO-2 steps of a tiny GPT on this rank: the losses, and the bytes it holds and sends."""
     from minifsdp.models import TinyGPT, gpt_batch
 
     model = TinyGPT(seed=comm.rank())
@@ -396,13 +416,13 @@ def demo(steps: int = 3) -> dict:
     losses = []
     with comm.counting() as counter:
         for step in range(steps):
-            x, y = (t[r::n] for t in gpt_batch(model.module.config, step, 8))
+            x, y = (t[4 * r: 4 * r + 4] for t in gpt_batch(model.module.config, step, 4 * n))  # 4 samples a rank
             loss = model(x, y)
             loss.backward()
-            grad_bytes = sum(b.shard.grad.numel() * 4 for b in opt.buckets)
+            grad_bytes = sum(b.shard.grad.numel() * b.shard.element_size() for b in opt.buckets)
             opt.step()
             opt.zero_grad()
             losses.append(round(loss.item(), 4))
     return {"rank": r, "losses": losses, "buckets": len(opt.buckets), "grad_bytes": grad_bytes,
-            "optim_bytes": sum(t.numel() * 4 for s in opt.state.values() for t in s.values() if t.dim()),
+            "optim_bytes": sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values()),
             "bytes_per_step": counter.total() / steps}

@@ -146,6 +146,11 @@ class MemoryMeter:
     def _label_optimizer_state(self, optimizer) -> None:
         for t in optimizer_tensors(optimizer):
             self._track(t.untyped_storage(), "optim")
+        # The tensors the optimizer really steps are its state's keys; a sharded optimizer may step
+        # slices that are no parameter of the model, and their gradients are gradients too.
+        for p in optimizer.state:
+            if isinstance(p, torch.Tensor) and p.grad is not None:
+                self._track(p.grad.untyped_storage(), "grads")
 
     # -- what we report ------------------------------------------------------------------------------
     def live(self) -> dict[str, int]:

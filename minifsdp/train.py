@@ -67,6 +67,18 @@ def _fsdp(reshard_after_forward):
     return build
 
 
+def _flat(stage):
+    def build(model, optimizer, find_unused):
+        from minifsdp.flat import FlatOSS, FlatShardedDataParallel
+
+        cls, kw = OPTIMIZER_SPECS[optimizer]
+        if stage == 1:  # no DDP underneath: the optimizer reduce-scatters the gradients in step()
+            return model, FlatOSS(model.parameters(), optim=cls, **kw)
+        opt = FlatOSS(model.parameters(), optim=cls, bucket_cap_mb=25, **kw)
+        return FlatShardedDataParallel(model, opt), opt
+    return build
+
+
 def _sdp(model, optimizer, find_unused):
     cls, kw = OPTIMIZER_SPECS[optimizer]
     opt = OSS(model.parameters(), optim=cls, **kw)
@@ -84,6 +96,8 @@ STRATEGIES: dict[str, Strategy] = {
     "ddp": Strategy(_ours_ddp, 0, 2),            # all-reduce
     "oss": Strategy(_oss, 1, 3),                 # DDP's all-reduce + the owners' broadcast
     "sdp": Strategy(_sdp, 2, 2),                 # reduce to the owner + the owners' broadcast
+    "oss_flat": Strategy(_flat(1), 1, 2),        # reduce-scatter in step() + all-gather
+    "sdp_flat": Strategy(_flat(2), 2, 2),        # reduce-scatter in backward + all-gather
     "fsdp": Strategy(_fsdp(True), 3, 3),         # all-gather in forward and in backward + reduce-scatter
 }
 
