@@ -96,16 +96,19 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 def run_chapter_tests(path: str | Path, chapter: int, extra_args: Sequence[str] = (),
-                      timeout: float | None = None) -> tuple[int, Counts]:
+                      timeout: float | None = None, first: str | None = None) -> tuple[int, Counts]:
     """Run one chapter's tests of the project at `path` in a fresh pytest; return (exit code, counts).
 
     The tests import the package under `path`, never an installed copy: that is what makes a student
-    copy's score the student's. `timeout` (seconds) bounds the whole run.
+    copy's score the student's. `timeout` (seconds) bounds the whole run. `first`: run the test files
+    whose name contains it before the others (with -x, the likeliest failure then comes soonest).
     """
     project = Path(path).resolve()
     files = chapter_test_files(project).get(chapter)
     if not files:
         raise ValueError(f"chapter {chapter} has no tests in {project / 'tests'} (test_ch{chapter:02d}_*.py)")
+    if first:
+        files = sorted(files, key=lambda f: first not in f.name)  # stable: otherwise the usual order
 
     # `python -m pytest` puts the working directory first on sys.path, and PYTHONPATH reaches the rank
     # processes the tests spawn; together they beat an installed (even editable) minifsdp.

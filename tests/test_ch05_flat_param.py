@@ -19,7 +19,7 @@ def odd_module():
 
 
 def flat_cases():
-    n, r = dist.get_world_size(), dist.get_rank()
+    r = dist.get_rank()
     m = odd_module()
     originals = {f"{i}.{name}": getattr(m[i], name).detach().clone() for i in (0, 1) for name in ("weight", "bias")}
     places = [(m[0], "weight"), (m[0], "bias"), (m[1], "weight"), (m[1], "bias"), (m, "tied")]

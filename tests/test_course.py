@@ -376,7 +376,8 @@ def test_removal_of_each_exercise_fails_its_chapter(exercise, tmp_path):
         pytest.fail(f"{where} belongs to chapter {exercise.chapter}, which has no tests "
                     f"(tests/test_ch{exercise.chapter:02d}_*.py): nothing can grade it")
 
-    returncode, counts = run_chapter_tests(copy, exercise.chapter, extra_args=("-x",), timeout=REMOVAL_TIMEOUT)
+    returncode, counts = run_chapter_tests(copy, exercise.chapter, extra_args=("-x",), timeout=REMOVAL_TIMEOUT,
+                                           first=exercise.path.stem)  # e.g. oss.py -> test_ch03_oss.py
     assert returncode != 0 and counts.failed + counts.errors >= 1, (
         f"with {where} removed, chapter {exercise.chapter}'s tests still pass ({counts.passed} passed, "
         f"{counts.skipped} skipped): no test runs this code, so a student is never graded on it.\n"
