@@ -14,10 +14,11 @@ tour: setup       ## the main job: every strategy side by side on 2 CPU ranks
 
 figures:          ## regenerate every figure and table the chapters include
 	$(PY) -m minifsdp tour --world-size 2 --steps 5 --plot chapters/figures/tour_memory.png --markdown chapters/generated/tour_ws2.md
-	$(PY) -m minifsdp memory --world-sizes 1 2 3 4 --plot chapters/figures/ddp_memory.png --markdown chapters/generated/ddp_memory.md
+	$(PY) -m minifsdp memory --world-sizes 1 2 3 4 --bars peak --plot chapters/figures/ddp_memory.png --markdown chapters/generated/ddp_memory.md
 	$(PY) -m minifsdp demo --world-size 3 > chapters/generated/demo_ws3.txt
 	$(PY) -m minifsdp memory --strategies ddp oss sdp --world-sizes 1 2 3 4 --plot chapters/figures/zero12_memory.png --markdown chapters/generated/zero12_memory.md
 	$(PY) -m minifsdp partition --world-sizes 2 3 4 5 6 7 8 --markdown chapters/generated/partition.md
+	grep -cvE '^\s*(#|$$)' minifsdp/ddp.py minifsdp/oss.py minifsdp/sdp.py minifsdp/flat.py > chapters/generated/loc.txt
 
 docs:             ## build the site into site/ (fails on any broken link or include)
 	$(PY) -m mkdocs build --strict

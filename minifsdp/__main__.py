@@ -35,6 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     memory.add_argument("--steps", type=int, default=6)
     memory.add_argument("--plot", default="ddp_memory.png")
     memory.add_argument("--markdown", default=None)
+    memory.add_argument("--bars", default="after_step", choices=["after_step", "peak"],
+                        help="plot the states after the step (peak as a dot), or memory by category at the peak")
 
     part = sub.add_parser("partition", help="chapter 3: load balance of the greedy, by-order and flat partitions")
     part.add_argument("--world-sizes", type=int, nargs="+", default=[2, 3, 4, 5, 6, 7, 8])
@@ -57,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
                  markdown=args.markdown)
     elif args.command == "memory":
         from minifsdp.tour import run_memory_report
-        run_memory_report(strategies=args.strategies, world_sizes=args.world_sizes, steps=args.steps, plot=args.plot, markdown=args.markdown)
+        run_memory_report(strategies=args.strategies, world_sizes=args.world_sizes, steps=args.steps, plot=args.plot, markdown=args.markdown, bars=args.bars)
     elif args.command == "partition":
         from minifsdp.tour import run_partition_report
         run_partition_report(world_sizes=args.world_sizes, markdown=args.markdown)

@@ -160,8 +160,13 @@ def comm_rank_or_zero() -> int:
 
 
 def run_memory_report(strategies=("ddp",), world_sizes=(1, 2, 3, 4), steps: int = 6, optimizer: str = "adamw",
-                      plot: str | None = None, markdown: str | None = None, device: str = "cpu") -> list[dict]:
-    """Chapters 2-4: per-rank memory and traffic of each strategy as N grows, measured vs analytic (rank 0)."""
+                      plot: str | None = None, markdown: str | None = None, device: str = "cpu",
+                      bars: str = "after_step") -> list[dict]:
+    """Chapters 2-4: per-rank memory and traffic of each strategy as N grows, measured vs analytic (rank 0).
+
+    bars: what the plot stacks -- "peak" (memory by category at the peak) or "after_step" (the model
+          states after the optimizer step, with the peak as a dot).
+    """
     rows = []
     for n in world_sizes:
         per_rank = launch(_train_all, n, device=device,
@@ -192,9 +197,13 @@ def run_memory_report(strategies=("ddp",), world_sizes=(1, 2, 3, 4), steps: int 
     if plot:
         label = (lambda r: f"N={r['world_size']}") if len(strategies) == 1 else \
             (lambda r: f"{r['strategy']}\nN={r['world_size']}")
-        plot_memory([(label(r), r["measured"], r["states_analytic"]) for r in rows], plot,
-                    f"{', '.join(strategies)}: memory per rank after the optimizer step", peaks=[r["peak"] for r in rows],
-                    ylabel="MB per rank (rank 0)")
+        if bars == "peak":
+            plot_memory([(label(r), r["peak_by_category"], r["states_analytic"]) for r in rows], plot,
+                        f"{', '.join(strategies)}: peak memory per rank by category")
+        else:
+            plot_memory([(label(r), r["measured"], r["states_analytic"]) for r in rows], plot,
+                        f"{', '.join(strategies)}: memory per rank after the optimizer step",
+                        peaks=[r["peak"] for r in rows], ylabel="MB per rank (rank 0)")
         print(f"\nwrote {plot}")
     return rows
 
