@@ -3,6 +3,8 @@
     python -m minifsdp tour [--world-size 2] [--steps 5] [--device cpu]   every strategy, side by side
     python -m minifsdp memory [--strategies ddp oss sdp] [--world-sizes 1 2 3 4]   memory vs the model
     python -m minifsdp partition [--world-sizes 2 3 4 5 6 7 8]             chapter 3: load balance of partitions
+    python -m minifsdp units [--world-size 2]                               chapter 6: FSDP units and payloads
+    python -m minifsdp phases [--world-size 2]                              chapter 6: memory at each phase
     python -m minifsdp demo [--world-size 3]                                all-reduce = reduce-scatter + all-gather
     python -m minifsdp student OUT_DIR                                      a student copy, solutions removed
     python -m minifsdp grade [PATH]                                         run each chapter's tests, print a score
@@ -42,6 +44,15 @@ def main(argv: list[str] | None = None) -> int:
     part.add_argument("--world-sizes", type=int, nargs="+", default=[2, 3, 4, 5, 6, 7, 8])
     part.add_argument("--markdown", default=None)
 
+    units = sub.add_parser("units", help="chapter 6: FSDP's units, their payloads and bytes, computed and counted")
+    units.add_argument("--world-size", type=int, default=2)
+    units.add_argument("--markdown", default=None)
+
+    phases = sub.add_parser("phases", help="chapter 6: memory at each phase of a step, DDP to FSDP")
+    phases.add_argument("--world-size", type=int, default=2)
+    phases.add_argument("--plot", default="fsdp_phases.png")
+    phases.add_argument("--markdown", default=None)
+
     demo = sub.add_parser("demo", help="all-reduce built from reduce-scatter + all-gather, checked")
     demo.add_argument("--world-size", type=int, default=3)
 
@@ -63,6 +74,12 @@ def main(argv: list[str] | None = None) -> int:
     elif args.command == "partition":
         from minifsdp.tour import run_partition_report
         run_partition_report(world_sizes=args.world_sizes, markdown=args.markdown)
+    elif args.command == "units":
+        from minifsdp.reports import run_units_report
+        run_units_report(world_size=args.world_size, markdown=args.markdown)
+    elif args.command == "phases":
+        from minifsdp.reports import run_phases_report
+        run_phases_report(world_size=args.world_size, plot=args.plot, markdown=args.markdown)
     elif args.command == "demo":
         from minifsdp.ddp import demo_all_reduce_by_parts
         from minifsdp.launch import launch

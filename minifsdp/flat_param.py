@@ -32,6 +32,7 @@ from minifsdp import comm
 from minifsdp.meter import storage_resized
 
 
+# --8<-- [start:storage]
 def _free_storage(t: torch.Tensor) -> None:
     t.untyped_storage().resize_(0)
     storage_resized(t.untyped_storage())
@@ -40,6 +41,7 @@ def _free_storage(t: torch.Tensor) -> None:
 def _alloc_storage(t: torch.Tensor) -> None:
     t.untyped_storage().resize_(t.numel() * t.element_size())
     storage_resized(t.untyped_storage())
+# --8<-- [end:storage]
 
 
 class FlatParameter:
@@ -49,6 +51,7 @@ class FlatParameter:
             places but is stored once (its places all get the same view).
     """
 
+    # --8<-- [start:init]
     def __init__(self, places: list[tuple[nn.Module, str]], requires_grad: bool = True):
         self.rank, self.world_size = comm.rank(), comm.world_size()
         self.places = places
@@ -73,23 +76,28 @@ class FlatParameter:
         self._full = torch.empty_like(padded)        # the all-gather buffer; no memory while sharded
         _free_storage(self._full)
         self.is_unsharded = False
+        self.name = ""                               # the unit's name, for the byte counter's tags
         self.saved_grad = None                       # see FullyShardedDataParallel._pre_backward
         for module, name in places:                  # the originals live on only as views
             delattr(module, name)
         for p in params:
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)  # and an old reference holds nothing
         self._set_views(use_full=False)
+    # --8<-- [end:init]
 
+    # --8<-- [start:unshard]
     def unshard(self) -> None:
         """All-gather the full parameters and point every original parameter at its view into them."""
         if self.is_unsharded:
             return
         _alloc_storage(self._full)
-        comm.all_gather(self._full, self._shard, tag="unshard")
+        comm.all_gather(self._full, self._shard, tag=f"unshard {self.name}")
         self.param.data = self._full
         self._set_views(use_full=True)
         self.is_unsharded = True
+    # --8<-- [end:unshard]
 
+    # --8<-- [start:reshard]
     def reshard(self) -> None:
         """Back to the shard only: the unsharded buffer's memory is released (its views stay as objects)."""
         if not self.is_unsharded:
@@ -98,7 +106,9 @@ class FlatParameter:
         _free_storage(self._full)
         self._set_views(use_full=False)
         self.is_unsharded = False
+    # --8<-- [end:reshard]
 
+    # --8<-- [start:views]
     def _set_views(self, use_full: bool) -> None:
         if use_full:
             # Cut from self.param (now the full buffer), so autograd sends their gradients into param.grad
@@ -107,18 +117,23 @@ class FlatParameter:
             views = [torch.empty(0, dtype=self._shard.dtype, device=self._shard.device)] * len(self.numels)
         for (module, name), i in zip(self.places, self.index):
             setattr(module, name, views[i].view(self.shapes[i]) if use_full else views[i])
+    # --8<-- [end:views]
 
+    # --8<-- [start:write_back]
     def write_back_shard(self) -> None:
         """Copy this rank's slice of the (edited) full parameters back into its shard."""
         start = self.rank * self.shard_numel
         with torch.no_grad():
             self._shard.copy_(self._full[start: start + self.shard_numel])
+    # --8<-- [end:write_back]
 
+    # --8<-- [start:reduce_scatter_grad]
     def reduce_scatter_grad(self, full_grad: torch.Tensor):
         """Start averaging the flat gradient across ranks; returns (async handle, this rank's shard of it)."""
         # BEGIN EXERCISE 5.2: this rank's shard of the averaged flat gradient, with one reduce-scatter
         full_grad = full_grad.mul(1.0 / self.world_size)  # average as DDP does: multiply by 1/N first
         grad_shard = torch.empty_like(self._shard)
-        handle = comm.reduce_scatter(grad_shard, full_grad, async_op=True, tag="reduce_scatter")
+        handle = comm.reduce_scatter(grad_shard, full_grad, async_op=True, tag=f"reduce_scatter {self.name}")
         # END EXERCISE
         return handle, grad_shard
+    # --8<-- [end:reduce_scatter_grad]

@@ -35,6 +35,7 @@ from minifsdp import comm
 from minifsdp.flat_param import FlatParameter
 
 
+# --8<-- [start:policies]
 class ModuleWrapPolicy:
     """Wrap every submodule whose class is in `classes` (e.g. {Block}) in its own unit."""
 
@@ -53,6 +54,7 @@ class SizeBasedWrapPolicy:
 
     def __call__(self, module: nn.Module, unowned_numel: int) -> bool:
         return unowned_numel >= self.min_num_params
+# --8<-- [end:policies]
 
 
 def _unowned_numel(module: nn.Module) -> int:
@@ -71,6 +73,7 @@ def _modules_not_in_units(module: nn.Module):
             yield from _modules_not_in_units(child)
 
 
+# --8<-- [start:wrap]
 def _wrap_children(module: nn.Module, policy, uses: dict, prefix: str = "", **kwargs) -> None:
     """Post-order: wrap the deepest matching submodules first, so outer units own what is left.
 
@@ -90,6 +93,7 @@ def _wrap_children(module: nn.Module, policy, uses: dict, prefix: str = "", **kw
                                      f"different units: tied parameters must live in the same unit (wrap a "
                                      f"module that contains both)")
             setattr(module, name, FullyShardedDataParallel(child, **kwargs))
+# --8<-- [end:wrap]
 
 
 class FullyShardedDataParallel(nn.Module):
@@ -101,6 +105,7 @@ class FullyShardedDataParallel(nn.Module):
                            agree across ranks first).
     """
 
+    # --8<-- [start:init]
     def __init__(self, module: nn.Module, auto_wrap_policy=None, reshard_after_forward: bool = True,
                  sync_module_states: bool = True):
         super().__init__()
@@ -135,10 +140,15 @@ class FullyShardedDataParallel(nn.Module):
         for unit in module.modules():
             if isinstance(unit, FullyShardedDataParallel):
                 unit.__dict__["_root_unit"] = self
+        for name, unit in self.named_units():
+            for flat in unit.flat_params:
+                flat.name = name or "(root)"
         self._pending = []            # reduce-scatters in flight (root only)
         self._callback_queued = False  # root only
         self._backward_started = False
+    # --8<-- [end:init]
 
+    # --8<-- [start:flatten_own]
     def _flatten_own_parameters(self) -> list[FlatParameter]:
         """One FlatParameter for the trainable parameters this unit owns, one for the frozen ones."""
         places = {True: [], False: []}
@@ -146,12 +156,14 @@ class FullyShardedDataParallel(nn.Module):
             for name, p in m.named_parameters(recurse=False):
                 places[p.requires_grad].append((m, name))
         return [FlatParameter(places[rg], requires_grad=rg) for rg in (True, False) if places[rg]]
+    # --8<-- [end:flatten_own]
 
     # -- forward ----------------------------------------------------------------------------------------------
     @property
     def is_root(self) -> bool:
         return self._root_unit is self
 
+    # --8<-- [start:forward]
     def forward(self, *args, **kwargs):
         for flat in self.flat_params:
             flat.unshard()
@@ -167,8 +179,10 @@ class FullyShardedDataParallel(nn.Module):
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     t.register_hook(self._pre_backward)
         return out
+    # --8<-- [end:forward]
 
     # -- backward ---------------------------------------------------------------------------------------------
+    # --8<-- [start:pre_backward]
     def _pre_backward(self, grad):
         """The gradient of this unit's output has arrived: its own backward is next."""
         if not self._backward_started:
@@ -183,15 +197,21 @@ class FullyShardedDataParallel(nn.Module):
                 # gradient autograd is about to produce: set it aside, add it back at the end
                 flat.saved_grad, flat.param.grad = flat.param.grad, None
         return grad
+    # --8<-- [end:pre_backward]
 
+    # --8<-- [start:post_backward]
     def _post_backward(self, flat: FlatParameter) -> None:
         """The flat gradient is complete: average it across ranks (async) and free the full parameters."""
+        # BEGIN EXERCISE 6.1: reduce-scatter the flat gradient (async), queue it for the root, reshard
         full_grad = flat.param.grad
         flat.param.grad = None
         handle, grad_shard = flat.reduce_scatter_grad(full_grad)
         self._root_unit._pending.append((flat, handle, grad_shard, full_grad))
         flat.reshard()
+        # END EXERCISE
+    # --8<-- [end:post_backward]
 
+    # --8<-- [start:finish_backward]
     def _finish_backward(self) -> None:
         """End of backward (root only): wait for the reduce-scatters, hand the shards to the optimizer."""
         for flat, handle, grad_shard, _full_grad in self._pending:  # _full_grad: alive until sent
@@ -204,8 +224,10 @@ class FullyShardedDataParallel(nn.Module):
             for flat in unit.flat_params:
                 flat.reshard()  # the root, and any unit whose parameters got no gradient
         self._callback_queued = False
+    # --8<-- [end:finish_backward]
 
     # -- utilities ---------------------------------------------------------------------------------------------
+    # --8<-- [start:summon]
     @contextlib.contextmanager
     def summon_full_params(self, writeback: bool = False):
         """Inside the block every original parameter holds its full value; with writeback=True, changes
@@ -221,7 +243,9 @@ class FullyShardedDataParallel(nn.Module):
                     if writeback:
                         flat.write_back_shard()
                     flat.reshard()
+    # --8<-- [end:summon]
 
+    # --8<-- [start:state_dict]
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The unsharded state dict, with the names the model had before wrapping (on every rank)."""
         names = {id(m): prefix for prefix, m in _names_without_wrappers(self.module)}
@@ -246,9 +270,24 @@ class FullyShardedDataParallel(nn.Module):
                 for flat in unit.flat_params:
                     for module, name in flat.places:
                         getattr(module, name).copy_(state_dict[names[id(module)] + name])
+    # --8<-- [end:state_dict]
 
     def units(self) -> list["FullyShardedDataParallel"]:
         return [u for u in self.modules() if isinstance(u, FullyShardedDataParallel)]
+
+    def named_units(self) -> list[tuple[str, "FullyShardedDataParallel"]]:
+        """(name of the wrapped module as before wrapping, unit) for every unit; the root is ''."""
+        found = [("", self)]
+
+        def walk(module, prefix):
+            for name, child in module.named_children():
+                if isinstance(child, FullyShardedDataParallel):
+                    found.append((prefix + name, child))
+                    child = child.module
+                walk(child, prefix + name + ".")
+
+        walk(self.module, "")
+        return found
 
 
 FSDP = FullyShardedDataParallel

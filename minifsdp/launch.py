@@ -180,7 +180,8 @@ def _rank_main(rank, world_size, device, port, payload, timeout, out_dir, failed
 def _start_method(work) -> str:
     """spawn is the safe default; a function typed into a notebook can't be imported by a fresh process, so fork."""
     main = sys.modules.get("__main__")
-    interactive = getattr(work, "__module__", None) == "__main__" and not hasattr(main, "__file__")
+    main_file = getattr(main, "__file__", None)  # none in a notebook; "<stdin>" for `python -`
+    interactive = getattr(work, "__module__", None) == "__main__" and not (main_file and os.path.exists(main_file))
     return "fork" if interactive else "spawn"
 
 

@@ -40,12 +40,17 @@ def storage_resized(storage) -> None:
         meter._resize(storage)
 
 
+def _storage(t: torch.Tensor):
+    """The storage really holding `t`'s data: a DTensor (torch's FSDP2) is a wrapper around a local shard."""
+    return getattr(t, "_local_tensor", t).untyped_storage()
+
+
 def storage_bytes(tensors) -> int:
     """Bytes of the distinct storages behind `tensors` (views and shared weights are counted once)."""
     seen = {}
     for t in tensors:
         if isinstance(t, torch.Tensor):
-            s = t.untyped_storage()
+            s = _storage(t)
             seen[id(s)] = s.nbytes()
     return sum(seen.values())
 
@@ -66,7 +71,7 @@ class _Tracker(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
-                self.meter._track(t.untyped_storage(), "other")
+                self.meter._track(_storage(t), "other")
         return out
 # --8<-- [end:dispatch]
 
@@ -117,7 +122,17 @@ class MemoryMeter:
         if entry is not None:
             self._by_cat[entry[1]] -= entry[0]
 
+    def _refresh(self) -> None:
+        """Re-read every live storage's size: code we do not control (torch's FSDP2, say) may resize a
+        storage in place, which no op reports. O(live storages) per op: fine for a meter, not for speed."""
+        for entry in self._live.values():
+            storage = entry[2]()
+            if storage is not None and storage.nbytes() != entry[0]:
+                self._by_cat[entry[1]] += storage.nbytes() - entry[0]
+                entry[0] = storage.nbytes()
+
     def _update_peak(self) -> None:
+        self._refresh()
         total = sum(self._by_cat.values())
         if total > self.peak:
             self.peak = total
@@ -127,15 +142,15 @@ class MemoryMeter:
     def watch_model(self, model: torch.nn.Module) -> None:
         self._models.append(model)
         for p in model.parameters():
-            self._track(p.untyped_storage(), "params")
+            self._track(_storage(p), "params")
             if p.grad is not None:
-                self._track(p.grad.untyped_storage(), "grads")
+                self._track(_storage(p.grad), "grads")
             if p.requires_grad:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._label_grad))
 
     def _label_grad(self, p) -> None:
         if p.grad is not None:  # ZeRO-2 may already have dropped a gradient this rank does not own
-            self._track(p.grad.untyped_storage(), "grads")
+            self._track(_storage(p.grad), "grads")
 
     def watch_optimizer(self, optimizer) -> None:
         self._optimizers.append(optimizer)
@@ -145,12 +160,12 @@ class MemoryMeter:
 
     def _label_optimizer_state(self, optimizer) -> None:
         for t in optimizer_tensors(optimizer):
-            self._track(t.untyped_storage(), "optim")
+            self._track(_storage(t), "optim")
         # The tensors the optimizer really steps are its state's keys; a sharded optimizer may step
         # slices that are no parameter of the model, and their gradients are gradients too.
         for p in optimizer.state:
             if isinstance(p, torch.Tensor) and p.grad is not None:
-                self._track(p.grad.untyped_storage(), "grads")
+                self._track(_storage(p.grad), "grads")
 
     # -- what we report ------------------------------------------------------------------------------
     def live(self) -> dict[str, int]:
@@ -159,8 +174,10 @@ class MemoryMeter:
             self._label_optimizer_state(opt)
         for m in self._models:
             for p in m.parameters():
+                # (FSDP swaps a parameter's storage for its unsharded buffer while the unit is in use)
+                self._track(_storage(p), "params")
                 if p.grad is not None:
-                    self._track(p.grad.untyped_storage(), "grads")
+                    self._track(_storage(p.grad), "grads")
         out = {c: self._by_cat[c] for c in CATEGORIES}
         out["total"] = sum(out.values())
         return out

@@ -99,6 +99,7 @@ STRATEGIES: dict[str, Strategy] = {
     "oss_flat": Strategy(_flat(1), 1, 2),        # reduce-scatter in step() + all-gather
     "sdp_flat": Strategy(_flat(2), 2, 2),        # reduce-scatter in backward + all-gather
     "fsdp": Strategy(_fsdp(True), 3, 3),         # all-gather in forward and in backward + reduce-scatter
+    "fsdp_nraf": Strategy(_fsdp(False), 3, 2),   # parameters kept from forward to backward: one all-gather
 }
 
 

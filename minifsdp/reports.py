@@ -1,0 +1,129 @@
+"""Chapter 6's measurements: FSDP's units and their payloads, and memory at each phase of one step.
+
+    python -m minifsdp units  --world-size 2 --markdown chapters/generated/fsdp_units.md
+    python -m minifsdp phases --world-size 2 --plot chapters/figures/fsdp_phases.png --markdown chapters/generated/fsdp_phases.md
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from minifsdp import analytic, comm
+from minifsdp.launch import launch
+from minifsdp.meter import MemoryMeter
+from minifsdp.models import TinyGPT
+from minifsdp.tour import TOUR_MODEL, _fmt_bytes, plot_memory
+from minifsdp.train import STRATEGIES, batch, loss_of
+
+PHASES = ("after forward", "peak in backward", "after step", "after zero_grad")
+
+
+def _write(text: str, markdown: str | None) -> None:
+    print(text)
+    if markdown:
+        with open(markdown, "w") as f:
+            f.write(text + "\n")
+
+
+# -- units and payloads --------------------------------------------------------------------------------------
+def _one_fsdp_step(steps: int = 2) -> list[dict]:
+    """Train the tour's GPT under FSDP (blocks as units); per unit: its sizes and what it sent in a step."""
+    wrapped, opt = STRATEGIES["fsdp"].build(TinyGPT(TOUR_MODEL), "adamw", False)
+    n, r = comm.world_size(), comm.rank()
+    for step in range(steps):
+        with comm.counting(record=True) if step == steps - 1 else contextlib.nullcontext() as counter:
+            loss_of("gpt", wrapped, batch("gpt", step, 12, r, n, "cpu", TOUR_MODEL)).backward()
+            opt.step()
+            opt.zero_grad()
+    rows = []
+    for name, unit in wrapped.named_units():
+        for flat in unit.flat_params:
+            events = [e for e in counter.events if e.tag.split(" ", 1)[1] == flat.name]
+            rows.append({"unit": flat.name, "numel": flat.numel, "padded": flat.shard_numel * n,
+                         "all_gathers": sum(e.kind == "all_gather" for e in events),
+                         "reduce_scatters": sum(e.kind == "reduce_scatter" for e in events),
+                         "counted": sum(e.nbytes for e in events)})
+    return rows
+
+
+def run_units_report(world_size: int = 2, markdown: str | None = None) -> list[dict]:
+    rows = launch(_one_fsdp_step, world_size, device="cpu")[0]
+    lines = ["| unit | parameters | padded to N | payload per collective (P·4/N) | all-gathers / step "
+             "| reduce-scatters / step | bytes sent / step, computed | counted |", "|" + "---|" * 8]
+    for r in rows:
+        calls = r["all_gathers"] + r["reduce_scatters"]
+        computed = calls * comm.ring_bytes("all_gather", r["padded"] * 4, world_size)
+        r["computed"] = computed
+        payload = analytic.collective_payload_bytes(r["padded"], world_size)
+        lines.append(f"| {r['unit']} | {r['numel']:,} | {r['padded']:,} | {_fmt_bytes(payload)} | {r['all_gathers']} "
+                     f"| {r['reduce_scatters']} | {_fmt_bytes(computed)} | {_fmt_bytes(r['counted'])} |")
+    _write(f"FSDP units of the tour's GPT (blocks as units, reshard after forward), fp32, world size "
+           f"{world_size}, rank 0: the root all-gathers once (it keeps its parameters from forward to "
+           f"backward), every other unit twice\n\n" + "\n".join(lines), markdown)
+    return rows
+
+
+# -- memory at each phase of a step -------------------------------------------------------------------------
+def _phases(strategies, steps: int = 3) -> dict:
+    """Per strategy, the meter's categories at each phase of the last (steady-state) step."""
+    n, r = comm.world_size(), comm.rank()
+    out = {}
+    for name in strategies:
+        wrapped, opt = STRATEGIES[name].build(TinyGPT(TOUR_MODEL), "adamw", False)
+        meter = MemoryMeter(wrapped, opt)
+        snaps = {}
+        for step in range(steps):
+            last = step == steps - 1
+            with meter if last else contextlib.nullcontext():
+                meter.reset_peak()
+                loss = loss_of("gpt", wrapped, batch("gpt", step, 12, r, n, "cpu", TOUR_MODEL))
+                snaps["after forward"] = meter.live()
+                meter.reset_peak()
+                loss.backward()
+                snaps["peak in backward"] = {**meter.peak_by_category, "total": meter.peak}
+                opt.step()
+                snaps["after step"] = meter.live()
+                opt.zero_grad()
+                snaps["after zero_grad"] = meter.live()
+        meter.close()
+        units = [(flat.name, flat.shard_numel * n) for _, unit in getattr(wrapped, "named_units", list)()
+                 for flat in unit.flat_params]
+        out[name] = {"phases": snaps, "units": units}
+    return out
+
+
+def fsdp_param_bytes(units: list[tuple[str, int]], n: int, alive: list[str]) -> float:
+    """The analytic FSDP parameter bytes: every shard, plus the full buffer of each unit alive now."""
+    return sum(4 * padded / n for _, padded in units) + sum(4 * padded for name, padded in units if name in alive)
+
+
+def run_phases_report(world_size: int = 2, strategies=("ddp", "oss", "sdp", "fsdp", "fsdp_nraf"),
+                      plot: str | None = None, markdown: str | None = None) -> dict:
+    results = launch(_phases, world_size, device="cpu", args=(list(strategies),))[0]
+    psi = sum(p.numel() for p in TinyGPT(TOUR_MODEL).parameters())
+    lines = ["| strategy | phase | parameters | gradients | optimizer state | activations + other | total "
+             "| model states, analytic |", "|" + "---|" * 8]
+    bars = []
+    for name in strategies:
+        stage = STRATEGIES[name].stage
+        model = analytic.model_state_bytes(psi, world_size, stage)
+        for phase in PHASES:
+            m = results[name]["phases"][phase]
+            grads = 0.0 if phase in ("after forward", "after zero_grad") else model["grads"]
+            analytic_states = model["params"] + grads + model["optim"]
+            if stage == 3 and phase == "after forward":  # + the units still unsharded: the root, or all
+                units = results[name]["units"]
+                alive = [u for u, _ in units] if name == "fsdp_nraf" else ["(root)"]
+                analytic_states += fsdp_param_bytes(units, world_size, alive) - model["params"]
+            cells = " | ".join(_fmt_bytes(m[c]) for c in ("params", "grads", "optim", "other", "total"))
+            shown = "—" if phase == "peak in backward" else _fmt_bytes(analytic_states)
+            lines.append(f"| {name} | {phase} | {cells} | {shown} |")
+            bars.append((f"{name}\n{phase.replace('after ', '')}", m, analytic_states if shown != "—" else 0))
+    _write(f"Memory per rank (rank 0) at each phase of one step: tour GPT (Ψ = {psi:,}), AdamW, world size "
+           f"{world_size}, CPU; analytic model states per the ZeRO stage (for FSDP: 16Ψ/N over the padded "
+           f"units, plus the full buffer of every unit still unsharded)\n\n" + "\n".join(lines), markdown)
+    if plot:
+        plot_memory(bars, plot, f"memory per rank at each phase of a step, N = {world_size}",
+                    ylabel="MB per rank (rank 0)")
+        print(f"\nwrote {plot}")
+    return results
