@@ -82,6 +82,7 @@ class FlatParameter:
             delattr(module, name)
         for p in params:
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)  # and an old reference holds nothing
+            p._flattened_into_flat_param = True  # an optimizer still holding it is caught (see fsdp.py)
         self._set_views(use_full=False)
     # --8<-- [end:init]
 

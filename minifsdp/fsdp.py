@@ -29,6 +29,7 @@ import contextlib
 
 import torch
 import torch.nn as nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._pytree import tree_leaves
 
 from minifsdp import comm
@@ -291,6 +292,20 @@ class FullyShardedDataParallel(nn.Module):
 
 
 FSDP = FullyShardedDataParallel
+
+
+def _refuse_flattened_params(optimizer, args, kwargs):
+    """An optimizer built before wrapping holds the original parameters, which now hold nothing: it
+    would step nothing, silently. Say so instead."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if getattr(p, "_flattened_into_flat_param", False):
+                raise RuntimeError("this optimizer was built over parameters that FullyShardedDataParallel has "
+                                   "since flattened into its shards, so it would train nothing: build the "
+                                   "optimizer after wrapping, over the wrapped model's parameters()")
+
+
+register_optimizer_step_pre_hook(_refuse_flattened_params)
 
 
 def _names_without_wrappers(module: nn.Module, prefix: str = ""):

@@ -162,6 +162,14 @@ def size_policy_splits_the_tied_embedding():
     FSDP(TinyGPT(), auto_wrap_policy=SizeBasedWrapPolicy(min_num_params=3000))  # lm_head alone: 3072
 
 
+def optimizer_before_wrapping():
+    net = TinyGPT()
+    opt = OPTIMIZERS["sgd"](net.parameters())
+    model = FSDP(net)
+    model(*batch("gpt", 0, 4, 0, 1, "cpu")).backward()
+    opt.step()
+
+
 def shapes_differ():
     FSDP(build_model("toy", seed=0) if dist.get_rank() == 0 else TinyGPT())
 
@@ -173,6 +181,8 @@ def test_bad_input_is_named():
         launch(tie_across_units, world_size=1, device="cpu")
     with pytest.raises(RankFailedError, match="'(wte|lm_head).weight' is tied to '(lm_head|wte).weight'.*same unit"):
         launch(size_policy_splits_the_tied_embedding, world_size=1, device="cpu")
+    with pytest.raises(RankFailedError, match="build the optimizer after wrapping"):
+        launch(optimizer_before_wrapping, world_size=1, device="cpu")
     with pytest.raises(RankFailedError, match="differs across ranks"):
         launch(shapes_differ, world_size=2, device="cpu")
 
