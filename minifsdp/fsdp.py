@@ -294,6 +294,7 @@ class FullyShardedDataParallel(nn.Module):
 FSDP = FullyShardedDataParallel
 
 
+# --8<-- [start:refuse]
 def _refuse_flattened_params(optimizer, args, kwargs):
     """An optimizer built before wrapping holds the original parameters, which now hold nothing: it
     would step nothing, silently. Say so instead."""
@@ -306,6 +307,7 @@ def _refuse_flattened_params(optimizer, args, kwargs):
 
 
 register_optimizer_step_pre_hook(_refuse_flattened_params)
+# --8<-- [end:refuse]
 
 
 def _names_without_wrappers(module: nn.Module, prefix: str = ""):
