@@ -4,7 +4,7 @@
     python -m minifsdp memory [--strategies ddp oss sdp] [--world-sizes 1 2 3 4]   memory vs the model
     python -m minifsdp partition [--world-sizes 2 3 4 5 6 7 8]             chapter 3: load balance of partitions
     python -m minifsdp units [--world-size 2]                               chapter 6: FSDP units and payloads
-    python -m minifsdp phases [--world-size 2]                              chapter 6: memory at each phase
+    python -m minifsdp phases [--world-sizes 1 2 3 4]                       chapter 6: memory at each phase
     python -m minifsdp demo [--world-size 3]                                all-reduce = reduce-scatter + all-gather
     python -m minifsdp student OUT_DIR                                      a student copy, solutions removed
     python -m minifsdp grade [PATH]                                         run each chapter's tests, print a score
@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     units.add_argument("--markdown", default=None)
 
     phases = sub.add_parser("phases", help="chapter 6: memory at each phase of a step, DDP to FSDP")
-    phases.add_argument("--world-size", type=int, default=2)
+    phases.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2, 3, 4])
     phases.add_argument("--plot", default="fsdp_phases.png")
     phases.add_argument("--markdown", default=None)
 
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         run_units_report(world_size=args.world_size, markdown=args.markdown)
     elif args.command == "phases":
         from minifsdp.reports import run_phases_report
-        run_phases_report(world_size=args.world_size, plot=args.plot, markdown=args.markdown)
+        run_phases_report(world_sizes=args.world_sizes, plot=args.plot, markdown=args.markdown)
     elif args.command == "demo":
         from minifsdp.ddp import demo_all_reduce_by_parts
         from minifsdp.launch import launch

@@ -1,7 +1,7 @@
 """Chapter 6's measurements: FSDP's units and their payloads, and memory at each phase of one step.
 
     python -m minifsdp units  --world-size 2 --markdown chapters/generated/fsdp_units.md
-    python -m minifsdp phases --world-size 2 --plot chapters/figures/fsdp_phases.png --markdown chapters/generated/fsdp_phases.md
+    python -m minifsdp phases --world-sizes 1 2 3 4 --plot chapters/figures/fsdp_phases.png --markdown chapters/generated/fsdp_phases.md
 """
 
 from __future__ import annotations
@@ -97,33 +97,40 @@ def fsdp_param_bytes(units: list[tuple[str, int]], n: int, alive: list[str]) -> 
     return sum(4 * padded / n for _, padded in units) + sum(4 * padded for name, padded in units if name in alive)
 
 
-def run_phases_report(world_size: int = 2, strategies=("ddp", "oss", "sdp", "fsdp", "fsdp_nraf"),
+def run_phases_report(world_sizes=(1, 2, 3, 4),
+                      strategies=("ddp", "oss", "sdp", "fsdp", "fsdp_nraf", "torch_fsdp2"),
                       plot: str | None = None, markdown: str | None = None) -> dict:
-    results = launch(_phases, world_size, device="cpu", args=(list(strategies),))[0]
+    """Per-phase memory at each world size (table); the plot shows the last world size."""
     psi = sum(p.numel() for p in TinyGPT(TOUR_MODEL).parameters())
-    lines = ["| strategy | phase | parameters | gradients | optimizer state | activations + other | total "
-             "| model states, analytic |", "|" + "---|" * 8]
-    bars = []
-    for name in strategies:
-        stage = STRATEGIES[name].stage
-        model = analytic.model_state_bytes(psi, world_size, stage)
-        for phase in PHASES:
-            m = results[name]["phases"][phase]
-            grads = 0.0 if phase in ("after forward", "after zero_grad") else model["grads"]
-            analytic_states = model["params"] + grads + model["optim"]
-            if stage == 3 and phase == "after forward":  # + the units still unsharded: the root, or all
-                units = results[name]["units"]
-                alive = [u for u, _ in units] if name == "fsdp_nraf" else ["(root)"]
-                analytic_states += fsdp_param_bytes(units, world_size, alive) - model["params"]
-            cells = " | ".join(_fmt_bytes(m[c]) for c in ("params", "grads", "optim", "other", "total"))
-            shown = "—" if phase == "peak in backward" else _fmt_bytes(analytic_states)
-            lines.append(f"| {name} | {phase} | {cells} | {shown} |")
-            bars.append((f"{name}\n{phase.replace('after ', '')}", m, analytic_states if shown != "—" else 0))
-    _write(f"Memory per rank (rank 0) at each phase of one step: tour GPT (Ψ = {psi:,}), AdamW, world size "
-           f"{world_size}, CPU; analytic model states per the ZeRO stage (for FSDP: 16Ψ/N over the padded "
-           f"units, plus the full buffer of every unit still unsharded)\n\n" + "\n".join(lines), markdown)
+    lines = ["| N | strategy | phase | parameters | gradients | optimizer state | activations + other | total "
+             "| model states, analytic |", "|" + "---|" * 9]
+    results = {}
+    for n in world_sizes:
+        results[n] = launch(_phases, n, device="cpu", args=(list(strategies),))[0]
+        bars = []
+        for name in strategies:
+            stage = STRATEGIES[name].stage
+            model = analytic.model_state_bytes(psi, n, stage)
+            for phase in PHASES:
+                m = results[n][name]["phases"][phase]
+                grads = 0.0 if phase in ("after forward", "after zero_grad") else model["grads"]
+                states = model["params"] + grads + model["optim"]
+                if phase == "peak in backward" or (stage == 3 and phase == "after forward"
+                                                   and name not in ("fsdp", "fsdp_nraf")):
+                    states = None  # no closed form here (torch's FSDP2: its units are its own business)
+                elif stage == 3 and phase == "after forward":  # + the units still unsharded: root, or all
+                    units = results[n][name]["units"]
+                    alive = [u for u, _ in units] if name == "fsdp_nraf" else ["(root)"]
+                    states += fsdp_param_bytes(units, n, alive) - model["params"]
+                cells = " | ".join(_fmt_bytes(m[c]) for c in ("params", "grads", "optim", "other", "total"))
+                shown = "—" if states is None else _fmt_bytes(states)
+                lines.append(f"| {n} | {name} | {phase} | {cells} | {shown} |")
+                bars.append((f"{name}\n{phase.replace('after ', '')}", m, states or 0))
+    _write(f"Memory per rank (rank 0) at each phase of one step: tour GPT (Ψ = {psi:,}), AdamW, CPU; "
+           f"analytic model states per the ZeRO stage (for FSDP: 16Ψ/N over the padded units, plus the full "
+           f"buffer of every unit still unsharded)\n\n" + "\n".join(lines), markdown)
     if plot:
-        plot_memory(bars, plot, f"memory per rank at each phase of a step, N = {world_size}",
+        plot_memory(bars, plot, f"memory per rank at each phase of a step, N = {world_sizes[-1]}",
                     ylabel="MB per rank (rank 0)")
         print(f"\nwrote {plot}")
     return results

@@ -17,7 +17,9 @@ def get_full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     if hasattr(model, "full_state_dict"):
         return model.full_state_dict()
     inner = getattr(model, "module", model)
-    return {k: v.detach().clone() for k, v in inner.state_dict().items()}
+    # torch's FSDP2 keeps DTensors: full_tensor() all-gathers one
+    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+            for k, v in inner.state_dict().items()}
 
 
 def set_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:

@@ -79,6 +79,19 @@ def _flat(stage):
     return build
 
 
+def _torch_fsdp2(model, optimizer, find_unused):
+    """torch's own FSDP2: fully_shard each block, then the root -- the same units as our "fsdp"."""
+    from torch.distributed.fsdp import fully_shard
+
+    with torch.no_grad():  # fully_shard assumes every rank built the same weights; make it so
+        for t in list(model.parameters()) + list(model.buffers()):
+            comm.broadcast(t, src=0)
+    for block in getattr(model, "blocks", []):
+        fully_shard(block)
+    wrapped = fully_shard(model)
+    return wrapped, OPTIMIZERS[optimizer](wrapped.parameters())
+
+
 def _sdp(model, optimizer, find_unused):
     cls, kw = OPTIMIZER_SPECS[optimizer]
     opt = OSS(model.parameters(), optim=cls, **kw)
@@ -100,6 +113,7 @@ STRATEGIES: dict[str, Strategy] = {
     "sdp_flat": Strategy(_flat(2), 2, 2),        # reduce-scatter in backward + all-gather
     "fsdp": Strategy(_fsdp(True), 3, 3),         # all-gather in forward and in backward + reduce-scatter
     "fsdp_nraf": Strategy(_fsdp(False), 3, 2),   # parameters kept from forward to backward: one all-gather
+    "torch_fsdp2": Strategy(_torch_fsdp2, 3, 3),  # torch's fully_shard, for comparison (not counted)
 }
 
 
