@@ -130,9 +130,10 @@ class FlatParameter:
 
     # --8<-- [start:reduce_scatter_grad]
     def reduce_scatter_grad(self, full_grad: torch.Tensor):
-        """Start averaging the flat gradient across ranks; returns (async handle, this rank's shard of it)."""
+        """Start averaging the flat gradient across ranks; returns (async handle, this rank's shard of it).
+        `full_grad` is scaled by 1/N in place and must stay alive until the handle is waited on."""
         # BEGIN EXERCISE 5.2: this rank's shard of the averaged flat gradient, with one reduce-scatter
-        full_grad = full_grad.mul(1.0 / self.world_size)  # average as DDP does: multiply by 1/N first
+        full_grad.mul_(1.0 / self.world_size)  # average as DDP does: 1/N first (in place: no second copy)
         grad_shard = torch.empty_like(self._shard)
         handle = comm.reduce_scatter(grad_shard, full_grad, async_op=True, tag=f"reduce_scatter {self.name}")
         # END EXERCISE

@@ -209,17 +209,26 @@ class FullyShardedDataParallel(nn.Module):
         handle, grad_shard = flat.reduce_scatter_grad(full_grad)
         self._root_unit._pending.append((flat, handle, grad_shard, full_grad))
         flat.reshard()
+        self._root_unit._retire_finished()  # free the full gradients already sent
         # END EXERCISE
     # --8<-- [end:post_backward]
 
     # --8<-- [start:finish_backward]
-    def _finish_backward(self) -> None:
-        """End of backward (root only): wait for the reduce-scatters, hand the shards to the optimizer."""
-        for flat, handle, grad_shard, _full_grad in self._pending:  # _full_grad: alive until sent
+    def _retire_finished(self, wait: bool = False) -> None:
+        """Hand over the gradient shards of finished reduce-scatters, and let their full gradients go."""
+        still_pending = []
+        for flat, handle, grad_shard, full_grad in self._pending:  # full_grad: kept alive until sent
+            if not (wait or handle.is_completed()):
+                still_pending.append((flat, handle, grad_shard, full_grad))
+                continue
             handle.wait()
             flat.param.grad = grad_shard if flat.saved_grad is None else flat.saved_grad + grad_shard
             flat.saved_grad = None
-        self._pending = []
+        self._pending = still_pending
+
+    def _finish_backward(self) -> None:
+        """End of backward (root only): wait for the reduce-scatters, hand the shards to the optimizer."""
+        self._retire_finished(wait=True)
         for unit in self.units():
             unit._backward_started = False
             for flat in unit.flat_params:

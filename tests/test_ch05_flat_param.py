@@ -40,9 +40,10 @@ def flat_cases():
         (m[1](torch.tanh(m[0](torch.ones(2, 7))).repeat(1, 2)[:, :16]).sum() * (r + 1)).backward()
         full_grad = flat.param.grad
         flat.param.grad = None
+        out["full_grad"] = full_grad.clone()  # reduce_scatter_grad scales its argument in place
         handle, grad_shard = flat.reduce_scatter_grad(full_grad)
         handle.wait()
-        out["full_grad"], out["grad_shard"] = full_grad, grad_shard
+        out["grad_shard"] = grad_shard
         before = meter.live()["other"]
         flat.reshard()
         out["freed"] = before - meter.live()["other"]
