@@ -117,8 +117,22 @@ def toy_and_state_dict(kind):
     return full, fresh.full_state_dict()
 
 
+def unused_in_some_steps():
+    """The toy model's `extra` is unused on some ranks (step 1) or on all (step 2): no hang, and every
+    rank ends with the same parameters; `extra`'s slice of the flat gradient is zero where unused."""
+    net = build_model("toy", seed=0)
+    model = FSDP(net)
+    opt = OPTIMIZERS["sgd"](model.parameters())
+    n, r = dist.get_world_size(), dist.get_rank()
+    for step in range(6):
+        loss_of("toy", model, batch("toy", step, 12, r, n, "cpu")).backward()
+        opt.step()
+        opt.zero_grad()
+    return model.full_state_dict()
+
+
 def chapter_cases():
-    out = {"toy": {k: toy_and_state_dict(k) for k in ("fsdp", "ddp")}}
+    out = {"toy": {k: toy_and_state_dict(k) for k in ("fsdp", "ddp")}, "unused": unused_in_some_steps()}
     if dist.get_world_size() in (2, 3):
         from minifsdp.reports import _one_fsdp_step, _phases
 
@@ -217,6 +231,12 @@ def test_toy_model_parity_and_full_state_dict_round_trip(ranks, n):
     assert max_abs_diff(ours, theirs) <= (0.0 if n == 1 else 1e-6)
     assert max_abs_diff(reloaded, ours) == 0.0  # get_full_state_dict -> set_full_state_dict is exact
     assert torch.equal(ours["frozen.weight"], build_model("toy", seed=0).state_dict()["frozen.weight"])
+
+
+@pytest.mark.parametrize("n", WORLD_SIZES)
+def test_parameters_unused_in_some_steps(ranks, n):
+    for r in range(n):
+        assert max_abs_diff(ranks[n][r]["unused"], ranks[n][0]["unused"]) == 0.0
 
 
 # -- memory at each phase, units, torch's FSDP2 -------------------------------------------------------------------
