@@ -172,9 +172,15 @@ def _rank_main(rank, world_size, device, port, payload, timeout, out_dir, failed
         os.replace(path + ".tmp", path)
         sys.stderr.flush()
         os._exit(1)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    # Leave together, and without tearing the group down: past the barrier no rank has a collective in
+    # flight, and gloo's teardown can abort a process whose peers are exiting at the same moment.
+    try:
+        dist.barrier()
+    except Exception:  # noqa: BLE001 -- a peer gone after leaving its result: ours is written too
+        pass
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _start_method(work) -> str:
@@ -210,10 +216,10 @@ def _spawn(work, world_size, args, kwargs, device, timeout):
             p.start()
         try:
             while any(p.is_alive() for p in procs):
-                if any(p.exitcode not in (None, 0) for p in procs):
+                if any(p.exitcode not in (None, 0) and not _succeeded(out_dir, r) for r, p in enumerate(procs)):
                     break
                 time.sleep(0.02)
-            dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+            dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and not _succeeded(out_dir, r)]
             if dead:
                 with failed_rank.get_lock():
                     if failed_rank.value == -1:  # died without a Python exception (killed, segfault)
@@ -235,6 +241,15 @@ def _spawn(work, world_size, args, kwargs, device, timeout):
                 if p.is_alive():
                     p.kill()
                 p.join()
+
+
+def _succeeded(out_dir, rank) -> bool:
+    """Whether the rank left a result: if it then died on its way out, the result still stands."""
+    path = os.path.join(out_dir, f"rank{rank}.pkl")
+    if not os.path.exists(path):
+        return False
+    with open(path, "rb") as f:
+        return pickle.load(f)[0] == "ok"
 
 
 def _error_report(rank, proc, out_dir) -> tuple[str, str]:
