@@ -42,14 +42,13 @@ Run it on 2 CPU ranks (`demo` below: a tiny GPT, 3 steps of ZeRO-2 with AdamW):
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import torch
 import torch.nn as nn
 
 from minifsdp import comm
-from minifsdp.ddp import _pack, _params_reached_from
+from minifsdp.ddp import DistributedDataParallel, _pack, _params_reached_from
 
 
 # --8<-- [start:layout]
@@ -395,14 +394,9 @@ class FlatShardedDataParallel(nn.Module):
                                f"no gradient in this backward pass, so their buckets were never reduced: {missing}")
         self._retire(wait=True)
 
-    @contextlib.contextmanager
-    def no_sync(self):
-        """Accumulate full gradients locally; the next synced backward reduce-scatters the sum."""
-        previous, self.require_backward_grad_sync = self.require_backward_grad_sync, False
-        try:
-            yield
-        finally:
-            self.require_backward_grad_sync = previous
+    # Accumulate full gradients locally; the next synced backward reduce-scatters the sum. The switch
+    # is the same attribute as chapter 1's, so its context manager serves here unchanged.
+    no_sync = DistributedDataParallel.no_sync
 
 
 def demo(steps: int = 3) -> dict:
