@@ -20,6 +20,9 @@ figures:          ## regenerate every figure and table the chapters include
 	$(PY) -m minifsdp partition --world-sizes 2 3 4 5 6 7 8 --markdown chapters/generated/partition.md
 	$(PY) -m minifsdp units --world-size 2 --markdown chapters/generated/fsdp_units.md
 	$(PY) -m minifsdp phases --world-sizes 1 2 3 4 --plot chapters/figures/fsdp_phases.png --markdown chapters/generated/fsdp_phases.md
+	$(PY) -m minifsdp timeline --world-size 2 --plot chapters/figures/timelines.png --markdown chapters/generated/timelines.md
+	$(PY) -m minifsdp prefetch-memory --world-sizes 2 4 --markdown chapters/generated/prefetch_memory.md
+	$(PY) bench/fsdp_vs_torch.py > chapters/generated/fsdp_bench.md
 	grep -cvE '^\s*(#|$$)' minifsdp/ddp.py minifsdp/oss.py minifsdp/sdp.py minifsdp/flat.py > chapters/generated/loc.txt
 
 docs:             ## build the site into site/ (fails on any broken link or include)

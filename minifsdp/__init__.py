@@ -7,16 +7,17 @@ from minifsdp import analytic, comm
 from minifsdp.ddp import DDP, DistributedDataParallel, all_reduce_by_parts
 from minifsdp.launch import RankFailedError, current_device, launch
 from minifsdp.flat import FlatOSS, FlatShardedDataParallel
-from minifsdp.fsdp import FSDP, FullyShardedDataParallel, ModuleWrapPolicy, SizeBasedWrapPolicy
+from minifsdp.fsdp import FSDP, BackwardPrefetch, FullyShardedDataParallel, ModuleWrapPolicy, SizeBasedWrapPolicy
 from minifsdp.meter import MemoryMeter
 from minifsdp.oss import OSS
+from minifsdp.timeline import Timeline
 from minifsdp.sdp import SDP, ShardedDataParallel
 from minifsdp.models import GPTConfig, TinyGPT, ToyModel, gpt_batch, toy_batch
 from minifsdp.state_dict import get_full_state_dict, set_full_state_dict
 
 __version__ = "0.1.0"
 
-__all__ = ["DDP", "DistributedDataParallel", "FSDP", "FlatOSS", "FlatShardedDataParallel",
+__all__ = ["BackwardPrefetch", "Timeline", "DDP", "DistributedDataParallel", "FSDP", "FlatOSS", "FlatShardedDataParallel",
            "FullyShardedDataParallel", "ModuleWrapPolicy", "SizeBasedWrapPolicy", "get_full_state_dict",
            "set_full_state_dict", "GPTConfig", "MemoryMeter", "OSS", "RankFailedError", "SDP", "ShardedDataParallel", "TinyGPT",
            "ToyModel", "all_reduce_by_parts", "analytic", "comm", "current_device", "gpt_batch", "launch",

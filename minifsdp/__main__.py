@@ -5,6 +5,8 @@
     python -m minifsdp partition [--world-sizes 2 3 4 5 6 7 8]             chapter 3: load balance of partitions
     python -m minifsdp units [--world-size 2]                               chapter 6: FSDP units and payloads
     python -m minifsdp phases [--world-sizes 1 2 3 4]                       chapter 6: memory at each phase
+    python -m minifsdp timeline [--world-size 2]                           chapter 7: one step per prefetch mode
+    python -m minifsdp prefetch-memory [--world-sizes 2 4]                  chapter 7: what prefetching costs
     python -m minifsdp demo [--world-size 3]                                all-reduce = reduce-scatter + all-gather
     python -m minifsdp student OUT_DIR                                      a student copy, solutions removed
     python -m minifsdp grade [PATH]                                         run each chapter's tests, print a score
@@ -53,6 +55,18 @@ def main(argv: list[str] | None = None) -> int:
     phases.add_argument("--plot", default="fsdp_phases.png")
     phases.add_argument("--markdown", default=None)
 
+    tl = sub.add_parser("timeline", help="chapter 7: timelines of one FSDP step per prefetch mode, on a slow link")
+    tl.add_argument("--world-size", type=int, default=2)
+    tl.add_argument("--bandwidth", type=float, default=100e6, help="bytes/s per rank of the simulated link")
+    tl.add_argument("--latency", type=float, default=1e-3, help="seconds per collective on the simulated link")
+    tl.add_argument("--plot", default="timelines.png")
+    tl.add_argument("--trace", default=None, help="also write the last mode's Chrome/Perfetto trace (JSON)")
+    tl.add_argument("--markdown", default=None)
+
+    pm = sub.add_parser("prefetch-memory", help="chapter 7: peak parameter memory with and without prefetching")
+    pm.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
+    pm.add_argument("--markdown", default=None)
+
     demo = sub.add_parser("demo", help="all-reduce built from reduce-scatter + all-gather, checked")
     demo.add_argument("--world-size", type=int, default=3)
 
@@ -80,6 +94,13 @@ def main(argv: list[str] | None = None) -> int:
     elif args.command == "phases":
         from minifsdp.reports import run_phases_report
         run_phases_report(world_sizes=args.world_sizes, plot=args.plot, markdown=args.markdown)
+    elif args.command == "timeline":
+        from minifsdp.overlap import run_timeline_report
+        run_timeline_report(world_size=args.world_size, bandwidth=args.bandwidth, latency=args.latency,
+                            plot=args.plot, trace=args.trace, markdown=args.markdown)
+    elif args.command == "prefetch-memory":
+        from minifsdp.overlap import run_prefetch_memory_report
+        run_prefetch_memory_report(world_sizes=args.world_sizes, markdown=args.markdown)
     elif args.command == "demo":
         from minifsdp.ddp import demo_all_reduce_by_parts
         from minifsdp.launch import launch

@@ -13,7 +13,9 @@ fake process group, and can be checked against the formulas of the ZeRO paper (S
         train_step()
     counter.bytes["all_reduce"], counter.total()
 
-A counter can also record each collective's issue and completion times, for timelines.
+A counter can also record each collective's issue and completion times, and the time this rank spent
+blocked waiting for one, for timelines (chapter 7). For teaching, `throttled(...)` makes the network slow
+enough to see on a laptop.
 """
 
 from __future__ import annotations
@@ -69,8 +71,19 @@ class CommEvent:
     kind: str
     nbytes: float  # logical bytes this rank sends
     issued: float  # time.perf_counter() when the call was made
-    done: float = float("nan")  # ... and when it was known complete (sync: on return; async: on wait())
+    # ... and when it completed: the backend's own report where it gives one (NCCL, most of gloo), else the
+    # throttled link's end, else the moment a wait() returned (later than the truth if nobody waited at once)
+    done: float = float("nan")
     tag: str = ""
+    start: float = float("nan")  # when the (simulated) link began moving it: after the collectives ahead of it
+
+
+@dataclass
+class Wait:
+    """This rank was blocked from `start` to `end`, waiting for the collective tagged `tag`."""
+    start: float
+    end: float
+    tag: str
 
 
 @dataclass
@@ -79,7 +92,8 @@ class CommCounter:
     bytes: dict = field(default_factory=lambda: defaultdict(float))
     calls: dict = field(default_factory=lambda: defaultdict(int))
     record: bool = False
-    events: list = field(default_factory=list)
+    events: list = field(default_factory=list)   # CommEvent per collective, in issue order (record=True)
+    waits: list = field(default_factory=list)    # Wait per blocking wait (record=True)
 
     def total(self) -> float:
         return sum(self.bytes.values())
@@ -99,23 +113,76 @@ def counting(record: bool = False):
         _active.remove(counter)
 
 
-class Handle:
-    """What an async collective returns: wait() blocks until it is done (and stamps its completion time)."""
+# --8<-- [start:throttle]
+@dataclass
+class _Link:
+    """A simulated network: one channel, collectives cross it one after another in issue order (as on
+    one NCCL stream), each taking latency + bytes sent / bandwidth."""
+    bandwidth: float  # bytes per second one rank sends
+    latency: float    # seconds per collective
+    free_at: float = 0.0
 
-    def __init__(self, work, events):
-        self._work, self._events = work, events
+    def schedule(self, issued: float, nbytes: float) -> tuple[float, float]:
+        start = max(issued, self.free_at)
+        self.free_at = start + self.latency + nbytes / self.bandwidth
+        return start, self.free_at
+
+
+_link: _Link | None = None
+
+
+@contextlib.contextmanager
+def throttled(bandwidth: float = 50e6, latency: float = 1e-3):
+    """Inside the block, no collective completes before a slow simulated network would have carried it:
+    `bandwidth` bytes/s per rank, `latency` seconds each. For timelines on a laptop only -- it changes
+    when a wait returns, never a value."""
+    global _link
+    if bandwidth <= 0 or latency < 0:
+        raise ValueError(f"throttled(bandwidth={bandwidth}, latency={latency}): need bandwidth > 0, latency >= 0")
+    outer, _link = _link, _Link(bandwidth, latency)
+    try:
+        yield _link
+    finally:
+        _link = outer
+# --8<-- [end:throttle]
+
+
+class Handle:
+    """What an async collective returns: wait() blocks until it is done (and records how long it blocked)."""
+
+    def __init__(self, work, events, not_before: float, tag: str):
+        self._work, self._events, self._not_before, self._tag = work, events, not_before, tag
 
     def wait(self) -> None:
+        t0 = time.perf_counter()
         if self._work is not None:
             self._work.wait()
             self._work = None
-        now = time.perf_counter()
+        if self._not_before > t0:   # the simulated network has not delivered it yet
+            time.sleep(self._not_before - t0)
+        t1 = time.perf_counter()
         for e in self._events:
-            if math.isnan(e.done):  # the first wait() is the completion we can observe
-                e.done = now
+            if math.isnan(e.done):  # no completion seen by the backend's callback: waiting is when we know
+                e.done = t1
+        for c in _active:
+            if c.record and t1 > t0:
+                c.waits.append(Wait(t0, t1, self._tag))
 
     def is_completed(self) -> bool:
-        return self._work is None or self._work.is_completed()
+        done = self._work is None or self._work.is_completed()
+        return done and time.perf_counter() >= self._not_before
+
+
+def _stamp_completion(work, events, not_before: float) -> None:
+    """Record when the backend finished the collective (on its own thread), not when we happened to wait."""
+    def stamp(_):
+        now = time.perf_counter()
+        for e in events:
+            e.done = max(now, not_before)
+    try:
+        work.get_future().add_done_callback(stamp)
+    except (RuntimeError, AttributeError):  # a backend without futures: the wait stamps it instead
+        pass
 
 
 # --8<-- [start:issue]
@@ -123,14 +190,19 @@ def _issue(kind: str, nbytes: int, call, async_op: bool, tag: str):
     """Count, call, and (for a blocking call) wait: the bookkeeping every collective shares."""
     n = world_size()
     sent = ring_bytes(kind, nbytes, n) if kind != "object" else nbytes * (n - 1)
+    issued = time.perf_counter()
+    start, not_before = _link.schedule(issued, sent) if _link is not None else (issued, 0.0)
     events = []
     for c in _active:
         c.bytes[kind] += sent
         c.calls[kind] += 1
         if c.record:
-            events.append(CommEvent(kind, sent, time.perf_counter(), tag=tag))
+            events.append(CommEvent(kind, sent, issued, tag=tag, start=start, done=not_before or float("nan")))
             c.events.append(events[-1])
-    handle = Handle(call(async_op=True), events)
+    work = call(async_op=True)
+    if events and work is not None:
+        _stamp_completion(work, events, not_before)
+    handle = Handle(work, events, not_before, tag)
     if async_op:
         return handle
     handle.wait()

@@ -14,6 +14,10 @@ unshard(): all-gather the shards into one buffer of the padded size, and make ea
 the all-gather buffer would cost time and a second copy of the memory; the price is that the buffer
 lives as long as anything uses a view -- which is why the PyTorch FSDP notes count 2x buffers.
 
+unshard(async_op=True) only *starts* the all-gather and returns: a prefetch (chapter 7); wait_unshard()
+-- which the next unshard() calls -- waits for it and only then makes the views. On a GPU the all-gather
+runs on a stream of its own, so it does not queue behind the compute already issued.
+
 reshard(): free the buffer's memory -- its *storage* is resized to zero, so autograd's saved views stay
 valid objects while costing nothing -- and let the parameter point at the shard again. The next unshard
 re-allocates the storage and all-gathers into it, in place, so those saved views see the data again.
@@ -24,6 +28,8 @@ averaged gradient: the shape of the parameter the optimizer steps.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.nn as nn
@@ -42,6 +48,40 @@ def _alloc_storage(t: torch.Tensor) -> None:
     t.untyped_storage().resize_(t.numel() * t.element_size())
     storage_resized(t.untyped_storage())
 # --8<-- [end:storage]
+
+
+# --8<-- [start:streams]
+_side_streams: dict = {}
+
+
+@contextlib.contextmanager
+def _side_stream(kind: str, tensor: torch.Tensor, after_compute: bool):
+    """On a GPU, run the block on a stream of its own (one for all-gathers, one for reduce-scatters); a later
+    wait() on the compute stream joins them again. On the CPU there are no streams: the collective is
+    simply asynchronous.
+
+    after_compute: first wait for everything the compute stream has issued so far. A reduce-scatter must
+    (its gradient is being computed there); an all-gather must not -- that wait would put the next unit's
+    all-gather behind this unit's compute, and no prefetch could overlap (sync_all_gathers instead)."""
+    if not tensor.is_cuda:
+        yield
+        return
+    key = (kind, tensor.device)
+    if key not in _side_streams:
+        _side_streams[key] = torch.cuda.Stream(tensor.device)
+    stream = _side_streams[key]
+    if after_compute:
+        stream.wait_stream(torch.cuda.current_stream(tensor.device))
+    with torch.cuda.stream(stream):
+        yield
+
+
+def sync_all_gathers(device: torch.device) -> None:
+    """The all-gather stream catches up with the compute stream once, where a forward or backward begins:
+    the shards it sends were last written there (by the optimizer)."""
+    if device.type == "cuda" and ("all_gather", device) in _side_streams:
+        _side_streams[("all_gather", device)].wait_stream(torch.cuda.current_stream(device))
+# --8<-- [end:streams]
 
 
 class FlatParameter:
@@ -76,6 +116,9 @@ class FlatParameter:
         self._full = torch.empty_like(padded)        # the all-gather buffer; no memory while sharded
         _free_storage(self._full)
         self.is_unsharded = False
+        self._unshard_handle = None                  # an all-gather started, not yet waited for
+        self._views_made = False                     # the originals show the full buffer (wait_unshard)
+        self.limiter = None                          # FullyShardedDataParallel's rate limiter, if any
         self.name = ""                               # the unit's name, for the byte counter's tags
         self.saved_grad = None                       # see FullyShardedDataParallel._pre_backward
         for module, name in places:                  # the originals live on only as views
@@ -87,15 +130,33 @@ class FlatParameter:
     # --8<-- [end:init]
 
     # --8<-- [start:unshard]
-    def unshard(self) -> None:
-        """All-gather the full parameters and point every original parameter at its view into them."""
-        if self.is_unsharded:
-            return
-        _alloc_storage(self._full)
-        comm.all_gather(self._full, self._shard, tag=f"unshard {self.name}")
-        self.param.data = self._full
-        self._set_views(use_full=True)
-        self.is_unsharded = True
+    def unshard(self, async_op: bool = False) -> None:
+        """All-gather the full parameters and point every original parameter at its view into them.
+        async_op=True: only start the all-gather (a prefetch); wait_unshard() finishes it."""
+        if not self.is_unsharded:
+            if self.limiter is not None:
+                self.limiter.before_all_gather()
+            with _side_stream("all_gather", self._full, after_compute=False):
+                _alloc_storage(self._full)  # memory of the all-gather stream, the buffer's writer
+                self._unshard_handle = comm.all_gather(self._full, self._shard, async_op=True,
+                                                       tag=f"unshard {self.name}")
+            self.is_unsharded = True
+        if not async_op:
+            self.wait_unshard()
+
+    def wait_unshard(self) -> None:
+        """Block until the all-gather (if one is in flight) has filled the buffer; then show the views.
+
+        The views are made here, just before the unit computes, not when a prefetch starts: autograd runs
+        the nodes made last first, and views made early would put this unit's gradient behind the
+        previous unit's backward, delaying its reduce-scatter and keeping its buffer alive longer."""
+        if self._unshard_handle is not None:
+            handle, self._unshard_handle = self._unshard_handle, None
+            handle.wait()
+        if self.is_unsharded and not self._views_made:
+            self.param.data = self._full
+            self._set_views(use_full=True)
+            self._views_made = True
     # --8<-- [end:unshard]
 
     # --8<-- [start:reshard]
@@ -103,10 +164,20 @@ class FlatParameter:
         """Back to the shard only: the unsharded buffer's memory is released (its views stay as objects)."""
         if not self.is_unsharded:
             return
+        if self._unshard_handle is not None:  # never free a buffer the network is still writing into
+            self._unshard_handle.wait()
+            self._unshard_handle = None
         self.param.data = self._shard
+        self._views_made = False
+        if self._full.is_cuda:
+            # The compute stream may still be reading it (the CPU runs ahead): the allocator must not hand
+            # this memory to the next all-gather before the compute stream gets past this point.
+            self._full.record_stream(torch.cuda.current_stream())
         _free_storage(self._full)
         self._set_views(use_full=False)
         self.is_unsharded = False
+        if self.limiter is not None:
+            self.limiter.freed(self._full)
     # --8<-- [end:reshard]
 
     # --8<-- [start:views]
@@ -132,10 +203,11 @@ class FlatParameter:
     def reduce_scatter_grad(self, full_grad: torch.Tensor):
         """Start averaging the flat gradient across ranks; returns (async handle, this rank's shard of it).
         `full_grad` is scaled by 1/N in place and must stay alive until the handle is waited on."""
-        # BEGIN EXERCISE 5.2: this rank's shard of the averaged flat gradient, with one reduce-scatter
-        full_grad.mul_(1.0 / self.world_size)  # average as DDP does: 1/N first (in place: no second copy)
-        grad_shard = torch.empty_like(self._shard)
-        handle = comm.reduce_scatter(grad_shard, full_grad, async_op=True, tag=f"reduce_scatter {self.name}")
-        # END EXERCISE
+        with _side_stream("reduce_scatter", full_grad, after_compute=True):  # on a GPU: off the compute stream
+            # BEGIN EXERCISE 5.2: this rank's shard of the averaged flat gradient, with one reduce-scatter
+            full_grad.mul_(1.0 / self.world_size)  # average as DDP does: 1/N first (in place: no second copy)
+            grad_shard = torch.empty_like(self._shard)
+            handle = comm.reduce_scatter(grad_shard, full_grad, async_op=True, tag=f"reduce_scatter {self.name}")
+            # END EXERCISE
         return handle, grad_shard
     # --8<-- [end:reduce_scatter_grad]

@@ -18,6 +18,17 @@ One step, per unit:
     end:       before backward() returns, wait for every reduce-scatter and leave each rank's shard of
                the averaged gradient in `.grad` of the flat parameter, which is what the optimizer steps.
 
+Overlap (chapter 7). Communication can hide behind compute only if it is issued before the compute that
+should cover it. The order units run in is recorded during the first step; from the second on:
+    forward_prefetch=True:           a unit's forward first starts the next unit's all-gather, then computes.
+    backward_prefetch=BACKWARD_PRE:  a unit's backward first starts the all-gather of the unit whose backward
+                                     comes next, then computes -- so it is on the wire before this unit's
+                                     reduce-scatter, and does not queue behind it.
+    backward_prefetch=BACKWARD_POST: the same, but after this unit's gradient is computed, just before its
+                                     reduce-scatter (one full-parameter buffer fewer while computing).
+    limit_all_gathers=True:          on a GPU, the CPU may not run more than two units ahead of the frees.
+Prefetching changes the order collectives are issued in, never a value.
+
 Parameters inside a unit that get no gradient in a step get a zero gradient in the flat one (so, unlike
 DDP, momentum and weight decay still act on them); a whole unit must take part in every forward on every
 rank that computes a loss.
@@ -25,15 +36,51 @@ rank that computes a loss.
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import enum
 
 import torch
 import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._pytree import tree_leaves
 
-from minifsdp import comm
-from minifsdp.flat_param import FlatParameter
+from minifsdp import comm, timeline
+from minifsdp.flat_param import FlatParameter, sync_all_gathers
+
+
+class BackwardPrefetch(enum.Enum):
+    """When a unit's backward starts the all-gather of the unit whose backward comes next (None: never)."""
+    BACKWARD_PRE = "pre"    # before this unit's backward compute
+    BACKWARD_POST = "post"  # after it, before this unit's reduce-scatter
+
+
+# --8<-- [start:limiter]
+class AllGatherLimiter:
+    """limit_all_gathers=True: the CPU may run at most `limit` frees ahead of the device.
+
+    On a GPU, reshard() frees a buffer in the CPU's program order, but the device gets to that point only
+    when the compute queued before it is done, and the allocator keeps the memory until then (reshard's
+    record_stream). A CPU thread running far ahead would start -- and allocate a new full buffer for --
+    the all-gather of every unit before the device has freed any. So each free is marked with a CUDA
+    event, and before a new all-gather the CPU waits for the oldest outstanding free once `limit` are
+    pending. On the CPU, compute is synchronous: a free is done when reshard() returns,
+    nothing is ever pending, and the limiter never waits.
+    """
+
+    def __init__(self, limit: int = 2):
+        self.limit, self.pending = limit, collections.deque()
+
+    def freed(self, buffer: torch.Tensor) -> None:
+        if buffer.is_cuda:
+            event = torch.cuda.Event()
+            event.record()
+            self.pending.append(event)
+
+    def before_all_gather(self) -> None:
+        while len(self.pending) >= self.limit:
+            self.pending.popleft().synchronize()
+# --8<-- [end:limiter]
 
 
 # --8<-- [start:policies]
@@ -104,18 +151,28 @@ class FullyShardedDataParallel(nn.Module):
                            in backward) or keep them until backward (False: more memory, less traffic).
     sync_module_states:    broadcast rank 0's parameters and buffers before sharding (check the shapes
                            agree across ranks first).
+    backward_prefetch, forward_prefetch, limit_all_gathers: overlap, chapter 7 (see the module docstring).
+                           PyTorch's FSDP defaults to backward_prefetch=BACKWARD_PRE; here it is None, so
+                           that chapter 6's runtime is the one without overlap. Pass BACKWARD_PRE for
+                           PyTorch's behaviour.
     """
 
     # --8<-- [start:init]
     def __init__(self, module: nn.Module, auto_wrap_policy=None, reshard_after_forward: bool = True,
-                 sync_module_states: bool = True):
+                 sync_module_states: bool = True,
+                 backward_prefetch: BackwardPrefetch | None = None,
+                 forward_prefetch: bool = False, limit_all_gathers: bool = True):
         super().__init__()
+        if backward_prefetch is not None and not isinstance(backward_prefetch, BackwardPrefetch):
+            raise ValueError(f"backward_prefetch must be BackwardPrefetch.BACKWARD_PRE, .BACKWARD_POST or None, "
+                             f"not {backward_prefetch!r}")
         comm.require_process_group()
         if isinstance(module, FullyShardedDataParallel) or getattr(module, "_fsdp_wrapped", False):
             raise ValueError(f"{type(module).__name__} is already wrapped in FullyShardedDataParallel; "
                              "wrap each module once (nested units come from auto_wrap_policy)")
         module._fsdp_wrapped = True
         self.reshard_after_forward = reshard_after_forward
+        self.backward_prefetch, self.forward_prefetch = backward_prefetch, forward_prefetch
         if sync_module_states:  # every rank starts from rank 0's weights and buffers, as under DDP --
             # before anything is sharded (afterwards each rank's shard is its own, not rank 0's)
             comm.assert_same_across_ranks(list(module.named_parameters()) + list(module.named_buffers()))
@@ -127,7 +184,8 @@ class FullyShardedDataParallel(nn.Module):
             for name, p in module.named_parameters(remove_duplicate=False):
                 uses.setdefault(p, []).append(name)
             _wrap_children(module, auto_wrap_policy, uses, reshard_after_forward=reshard_after_forward,
-                           sync_module_states=False)
+                           sync_module_states=False, backward_prefetch=backward_prefetch,
+                           forward_prefetch=forward_prefetch, limit_all_gathers=limit_all_gathers)
         self.module = module
         self.flat_params = self._flatten_own_parameters()
         for i, flat in enumerate(self.flat_params):
@@ -141,12 +199,16 @@ class FullyShardedDataParallel(nn.Module):
         for unit in module.modules():
             if isinstance(unit, FullyShardedDataParallel):
                 unit.__dict__["_root_unit"] = self
+        self._limiter = AllGatherLimiter() if limit_all_gathers else None  # one per root
         for name, unit in self.named_units():
+            unit.unit_name = name or "(root)"
             for flat in unit.flat_params:
-                flat.name = name or "(root)"
+                flat.name, flat.limiter = unit.unit_name, self._limiter
         self._pending = []            # reduce-scatters in flight (root only)
         self._callback_queued = False  # root only
         self._backward_started = False
+        self._order = {"forward": [], "backward": []}  # units in the order they ran (root only) ...
+        self._order_recorded = False                   # ... recorded during the first step
     # --8<-- [end:init]
 
     # --8<-- [start:flatten_own]
@@ -166,21 +228,62 @@ class FullyShardedDataParallel(nn.Module):
 
     # --8<-- [start:forward]
     def forward(self, *args, **kwargs):
+        root = self._root_unit
+        root._record("forward", self)
+        if self.is_root and self.flat_params:
+            sync_all_gathers(self.flat_params[0].param.device)
         for flat in self.flat_params:
-            flat.unshard()
+            flat.unshard(async_op=True)  # start our own all-gather (if not prefetched already) ...
+        if self.forward_prefetch:
+            # BEGIN EXERCISE 7.1: explicit forward prefetch: start the next unit's all-gather before computing
+            self._prefetch(root._next("forward", self))  # ... queue the next unit's behind it ...
+            # END EXERCISE
+        for flat in self.flat_params:
+            flat.wait_unshard()  # ... and only now block, for ours
+        timeline.compute_begin(f"forward {self.unit_name}")
         out = self.module(*args, **kwargs)
+        timeline.compute_end(f"forward {self.unit_name}")
         grads_coming = torch.is_grad_enabled() and any(
             isinstance(t, torch.Tensor) and t.requires_grad for t in tree_leaves(out))
         # the root keeps its parameters: its backward is the first to run, right after forward
         if not grads_coming or (self.reshard_after_forward and not self.is_root):
             for flat in self.flat_params:
                 flat.reshard()
+        if self.is_root:  # a prefetch the forward did not use (the graph changed): let it go
+            for unit in self.units()[1:]:
+                if unit.reshard_after_forward or not grads_coming:
+                    for flat in unit.flat_params:
+                        flat.reshard()
         if grads_coming:
             for t in tree_leaves(out):
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     t.register_hook(self._pre_backward)
         return out
     # --8<-- [end:forward]
+
+    # --8<-- [start:order]
+    def _record(self, direction: str, unit: "FullyShardedDataParallel") -> None:
+        """During the first step, note the order units run in (root only). Valid for a static graph."""
+        if not self._order_recorded and unit not in self._order[direction]:
+            self._order[direction].append(unit)
+
+    def _next(self, direction: str, unit: "FullyShardedDataParallel"):
+        """The unit that ran after `unit` in the first step's forward or backward, if known."""
+        order = self._order[direction]
+        if not self._order_recorded or unit not in order:
+            return None
+        i = order.index(unit) + 1
+        nxt = order[i] if i < len(order) else None
+        # in backward, only a unit still to come: the root's backward ends last, after every other unit's
+        return None if direction == "backward" and nxt is not None and nxt._backward_started else nxt
+
+    @staticmethod
+    def _prefetch(unit) -> None:
+        """Start the unit's all-gather now, without waiting: its own unshard() will find it on its way."""
+        if unit is not None:
+            for flat in unit.flat_params:
+                flat.unshard(async_op=True)
+    # --8<-- [end:order]
 
     # -- backward ---------------------------------------------------------------------------------------------
     # --8<-- [start:pre_backward]
@@ -189,20 +292,31 @@ class FullyShardedDataParallel(nn.Module):
         if not self._backward_started:
             self._backward_started = True
             root = self._root_unit
+            root._record("backward", self)
             if not root._callback_queued:
                 root._callback_queued = True
                 torch.autograd.Variable._execution_engine.queue_callback(root._finish_backward)
             for flat in self.flat_params:
-                flat.unshard()
+                flat.unshard(async_op=True)
+            if self.backward_prefetch == BackwardPrefetch.BACKWARD_PRE:
+                # BEGIN EXERCISE 7.2: BACKWARD_PRE: start the next unit's all-gather before our backward compute
+                self._prefetch(root._next("backward", self))
+                # END EXERCISE
+            for flat in self.flat_params:
+                flat.wait_unshard()
                 # a gradient shard left from an earlier backward (accumulation) cannot take the full-size
                 # gradient autograd is about to produce: set it aside, add it back at the end
                 flat.saved_grad, flat.param.grad = flat.param.grad, None
+            timeline.compute_begin(f"backward {self.unit_name}")
         return grad
     # --8<-- [end:pre_backward]
 
     # --8<-- [start:post_backward]
     def _post_backward(self, flat: FlatParameter) -> None:
         """The flat gradient is complete: average it across ranks (async) and free the full parameters."""
+        timeline.compute_end(f"backward {self.unit_name}")
+        if self.backward_prefetch == BackwardPrefetch.BACKWARD_POST:  # ahead of our reduce-scatter
+            self._prefetch(self._root_unit._next("backward", self))
         # BEGIN EXERCISE 6.1: reduce-scatter the flat gradient (async), queue it for the root, reshard
         full_grad = flat.param.grad
         flat.param.grad = None
@@ -229,7 +343,9 @@ class FullyShardedDataParallel(nn.Module):
     def _finish_backward(self) -> None:
         """End of backward (root only): wait for the reduce-scatters, hand the shards to the optimizer."""
         self._retire_finished(wait=True)
+        self._order_recorded = True  # the first step has shown the order: prefetching may use it
         for unit in self.units():
+            timeline.compute_end(f"backward {unit.unit_name}")  # a unit without gradients never ended
             unit._backward_started = False
             for flat in unit.flat_params:
                 flat.reshard()  # the root, and any unit whose parameters got no gradient
@@ -301,6 +417,7 @@ class FullyShardedDataParallel(nn.Module):
 
 
 FSDP = FullyShardedDataParallel
+BACKWARD_PRE, BACKWARD_POST = BackwardPrefetch.BACKWARD_PRE, BackwardPrefetch.BACKWARD_POST
 
 
 # --8<-- [start:refuse]

@@ -19,6 +19,7 @@ failed rank's traceback. Nothing waits forever.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import multiprocessing as mp
 import os
@@ -212,8 +213,9 @@ def _spawn(work, world_size, args, kwargs, device, timeout):
         procs = [ctx.Process(target=_rank_main, daemon=True, name=f"minifsdp-rank{r}",
                              args=(r, world_size, device, port, payload, timeout, out_dir, failed_rank))
                  for r in range(world_size)]
-        for p in procs:
-            p.start()
+        with _rank_environment():
+            for p in procs:
+                p.start()
         try:
             while any(p.is_alive() for p in procs):
                 if any(p.exitcode not in (None, 0) and not _succeeded(out_dir, r) for r, p in enumerate(procs)):
@@ -241,6 +243,20 @@ def _spawn(work, world_size, args, kwargs, device, timeout):
                 if p.is_alive():
                     p.kill()
                 p.join()
+
+
+@contextlib.contextmanager
+def _rank_environment():
+    """Environment the spawned ranks start with. OpenMP threads that have nothing to do spin by default;
+    on a machine with few cores they then take the core that gloo's thread needs to finish an async
+    collective, and a step can take 50x longer. Passive waiting (unless the user chose) avoids that."""
+    saved = os.environ.get("OMP_WAIT_POLICY")
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ["OMP_WAIT_POLICY"]
 
 
 def _succeeded(out_dir, rank) -> bool:

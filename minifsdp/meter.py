@@ -83,7 +83,8 @@ class MemoryMeter:
         self._hooks = []
         self._models, self._optimizers = [], []
         self.peak = 0
-        self.peak_by_category = {c: 0 for c in CATEGORIES}
+        self.peak_by_category = {c: 0 for c in CATEGORIES}  # the split at the moment of the peak
+        self.category_peak = {c: 0 for c in CATEGORIES}     # each category's own highest, at any moment
         self.snapshots: dict[str, dict[str, int]] = {}
         self._mode = None
         if model is not None:
@@ -134,6 +135,8 @@ class MemoryMeter:
     def _update_peak(self) -> None:
         self._refresh()
         total = sum(self._by_cat.values())
+        for c in CATEGORIES:
+            self.category_peak[c] = max(self.category_peak[c], self._by_cat[c])
         if total > self.peak:
             self.peak = total
             self.peak_by_category = {c: self._by_cat[c] for c in CATEGORIES}
@@ -147,6 +150,12 @@ class MemoryMeter:
                 self._track(_storage(p.grad), "grads")
             if p.requires_grad:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._label_grad))
+
+    def watch(self, tensors, category: str) -> None:
+        """Count these tensors' storages under `category` from now on, whatever their size becomes (e.g.
+        FSDP's unsharded buffers as "params": they are parameters while a unit computes)."""
+        for t in tensors:
+            self._track(_storage(t), category)
 
     def _label_grad(self, p) -> None:
         if p.grad is not None:  # ZeRO-2 may already have dropped a gradient this rank does not own
@@ -188,6 +197,7 @@ class MemoryMeter:
 
     def reset_peak(self) -> None:
         self.peak = 0
+        self.category_peak = {c: 0 for c in CATEGORIES}
         self._update_peak()
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.reset_peak_memory_stats()

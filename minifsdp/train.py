@@ -56,13 +56,16 @@ def _oss(model, optimizer, find_unused):
     return wrapped, OSS(model.parameters(), optim=cls, **kw)
 
 
-def _fsdp(reshard_after_forward):
+def _fsdp(reshard_after_forward, overlap=False):
     def build(model, optimizer, find_unused):
-        from minifsdp.fsdp import FullyShardedDataParallel, ModuleWrapPolicy
+        from minifsdp.fsdp import BACKWARD_PRE, FullyShardedDataParallel, ModuleWrapPolicy
         from minifsdp.models import Block
 
+        # chapter 6's runs issue each all-gather when it is needed; chapter 7 adds the prefetching
         wrapped = FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({Block, ToyModel}),
-                                           reshard_after_forward=reshard_after_forward)
+                                           reshard_after_forward=reshard_after_forward,
+                                           backward_prefetch=BACKWARD_PRE if overlap else None,
+                                           forward_prefetch=overlap)
         return wrapped, OPTIMIZERS[optimizer](wrapped.parameters())  # built after wrapping: the shards
     return build
 
@@ -113,6 +116,7 @@ STRATEGIES: dict[str, Strategy] = {
     "sdp_flat": Strategy(_flat(2), 2, 2),        # reduce-scatter in backward + all-gather
     "fsdp": Strategy(_fsdp(True), 3, 3),         # all-gather in forward and in backward + reduce-scatter
     "fsdp_nraf": Strategy(_fsdp(False), 3, 2),   # parameters kept from forward to backward: one all-gather
+    "fsdp_overlap": Strategy(_fsdp(True, overlap=True), 3, 3),  # + forward_prefetch and BACKWARD_PRE
     "torch_fsdp2": Strategy(_torch_fsdp2, 3, 3),  # torch's fully_shard, for comparison (not counted)
 }
 

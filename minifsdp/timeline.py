@@ -1,0 +1,269 @@
+"""Chapter 7: a timeline of each rank's step -- what computed when, what was on the wire, and when the
+rank sat blocked waiting for the wire. The third is the one that costs time.
+
+    with Timeline() as tl:                  # on every rank; FSDP reports its units' compute to it
+        loss = model(x, y); loss.backward(); opt.step()
+    tl.spans()                              # [Span(lane, name, start, end)], seconds from the start
+    hidden_fraction(tl.spans())             # the share of communication time that cost no waiting
+
+    timelines = launch(work, world_size=2)  # each rank returns tl.spans()
+    plot_timeline(timelines, "timeline.png"); write_chrome_trace(timelines, "trace.json")
+
+Lanes. "compute": one segment per unit and phase ("forward blocks.0"); a unit's segment stops where a
+nested unit's starts, so the lane shows who is computing now, not who called whom. "wait": the rank is
+blocked in a collective's wait(). "all_gather" / "reduce_scatter" / ...: a collective from when the link
+began carrying it (its issue, or, on a throttled link, the end of the one ahead of it) to its completion.
+
+Clocks: wall-clock (time.perf_counter) on the CPU; on a GPU the compute boundaries are CUDA events on the
+compute stream, so they mark when the GPU got there, not when the CPU issued the kernels. Each rank's
+zero is the moment it left the barrier that starts recording, so ranks line up to within that barrier.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from typing import NamedTuple
+
+import torch
+
+from minifsdp import comm
+
+
+class Span(NamedTuple):
+    lane: str   # "compute", "wait", or a collective's kind
+    name: str
+    start: float
+    end: float
+
+
+_active: list["Timeline"] = []
+
+
+def compute_begin(name: str) -> None:
+    """A unit's compute starts (FSDP calls this); it interrupts the one running, which resumes at its end."""
+    for tl in _active:
+        tl._begin(name)
+
+
+def compute_end(name: str) -> None:
+    for tl in _active:
+        tl._end(name)
+
+
+class Timeline:
+    """Records one rank's compute segments and (through a comm counter) its collectives and waits."""
+
+    def __init__(self, device: torch.device | str = "cpu"):
+        self.cuda = torch.device(device).type == "cuda"
+        self._stack: list[str] = []   # units computing, innermost last
+        self._open: tuple[str, object] | None = None
+        self._segments: list[tuple[str, object, object]] = []
+        self._counter_cm = None
+
+    def __enter__(self) -> "Timeline":
+        if comm.world_size() > 1:
+            comm.barrier()  # every rank starts its clock together
+        self.origin = time.perf_counter()
+        if self.cuda:
+            torch.cuda.synchronize()
+            self._origin_event = self._stamp()
+        self._counter_cm = comm.counting(record=True)
+        self.counter = self._counter_cm.__enter__()
+        _active.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _active.remove(self)
+        self._close(self._stamp())
+        self._stack.clear()
+        self._counter_cm.__exit__(*exc)
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    @contextlib.contextmanager
+    def span(self, name: str):
+        """Mark compute outside FSDP's units, e.g. `with tl.span("optimizer"): opt.step()`."""
+        self._begin(name)
+        try:
+            yield
+        finally:
+            self._end(name)
+
+    # -- compute segments ------------------------------------------------------------------------------------
+    def _stamp(self):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def _close(self, now) -> None:
+        if self._open is not None:
+            name, start = self._open
+            self._segments.append((name, start, now))
+            self._open = None
+
+    def _begin(self, name: str) -> None:
+        now = self._stamp()
+        self._close(now)
+        self._stack.append(name)
+        self._open = (name, now)
+
+    def _end(self, name: str) -> None:
+        if name not in self._stack:
+            return
+        now = self._stamp()
+        self._close(now)
+        del self._stack[len(self._stack) - 1 - self._stack[::-1].index(name)]
+        if self._stack:
+            self._open = (self._stack[-1], now)
+
+    def _seconds(self, stamp) -> float:
+        if self.cuda:
+            return self._origin_event.elapsed_time(stamp) / 1e3
+        return stamp - self.origin
+
+    # -- the result ------------------------------------------------------------------------------------------
+    def spans(self) -> list[Span]:
+        """Every span, in seconds from the start of recording; compute segments exclude the waits."""
+        waits = [(w.start - self.origin, w.end - self.origin, w.tag) for w in self.counter.waits]
+        out = [Span("wait", tag, s, e) for s, e, tag in waits]
+        for name, s, e in self._segments:
+            for s2, e2 in _subtract((self._seconds(s), self._seconds(e)), [(ws, we) for ws, we, _ in waits]):
+                if e2 > s2:
+                    out.append(Span("compute", name, s2, e2))
+        for ev in self.counter.events:
+            out.append(Span(ev.kind, ev.tag, ev.start - self.origin, ev.done - self.origin))
+        return sorted(out, key=lambda sp: sp.start)
+
+
+def _subtract(interval, holes):
+    """`interval` minus every hole in `holes`, as a list of intervals."""
+    pieces = [interval]
+    for hs, he in holes:
+        pieces = [p for s, e in pieces for p in ((s, min(e, hs)), (max(s, he), e)) if p[1] > p[0]]
+    return pieces
+
+
+def _union_length(intervals) -> float:
+    total, end = 0.0, float("-inf")
+    for s, e in sorted(intervals):
+        if e > end:
+            total += e - max(s, end)
+            end = e
+    return total
+
+
+# --8<-- [start:hidden_fraction]
+def hidden_fraction(spans: list[Span]) -> float:
+    """The share of the time something was on the wire during which this rank was NOT blocked waiting.
+
+    1.0: every collective overlapped with other work; 0.0: the rank waited through all of them.
+    """
+    # BEGIN EXERCISE 7.3: comm time (union of collectives) and the part of it spent waiting
+    comm_spans = [(s.start, s.end) for s in spans if s.lane not in ("compute", "wait")]
+    waits = [(s.start, s.end) for s in spans if s.lane == "wait"]
+    busy = _union_length(comm_spans)
+    if busy == 0:
+        return 1.0
+    exposed = sum(_union_length([(max(s, ws), min(e, we)) for ws, we in waits if min(e, we) > max(s, ws)])
+                  for s, e in _merge(comm_spans))
+    return 1.0 - exposed / busy
+    # END EXERCISE
+# --8<-- [end:hidden_fraction]
+
+
+def _merge(intervals):
+    merged = []
+    for s, e in sorted(intervals):
+        if merged and s <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], e))
+        else:
+            merged.append((s, e))
+    return merged
+
+
+def lane_time(spans: list[Span], *lanes: str) -> float:
+    """Time covered by the given lanes together ("compute", "wait", collectives' kinds), overlaps once."""
+    return _union_length([(s.start, s.end) for s in spans if s.lane in lanes])
+
+
+# -- pictures and traces ---------------------------------------------------------------------------------------
+_COMM_COLORS = {"all_gather": "tab:blue", "reduce_scatter": "tab:orange", "all_reduce": "tab:purple",
+                "broadcast": "tab:brown", "reduce": "tab:pink", "object": "tab:gray"}
+
+
+_PALETTE = ["#8c8c8c", "#4c72b0", "#55a868", "#c44e52", "#8172b2", "#ccb974", "#64b5cd", "#dd8452", "#937860"]
+
+
+def _unit_colors(timelines) -> dict:
+    """One colour per unit, in order of first appearance (so the root, which starts first, is grey)."""
+    units = []
+    for spans in timelines:
+        for s in spans:
+            unit = s.name.split(" ", 1)[-1]
+            if s.lane == "compute" and unit not in units:
+                units.append(unit)
+    return {u: _PALETTE[i % len(_PALETTE)] for i, u in enumerate(units)}
+
+
+def plot_timeline(timelines: list[list[Span]], path: str | None = None, title: str = "", ax=None):
+    """Gantt chart, per rank: a compute lane (colour = unit, pale = forward, hatched = blocked waiting)
+    and a communication lane (colour = collective)."""
+    import matplotlib
+    if path:
+        matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    own = ax is None
+    if own:
+        fig, ax = plt.subplots(figsize=(12, 1.2 + 1.1 * len(timelines)))
+    colors, labels = _unit_colors(timelines), []
+    for rank, spans in enumerate(timelines):
+        y_comp, y_comm = 2 * rank * 1.2 + 1.2, 2 * rank * 1.2
+        for s in spans:
+            bar = [(s.start * 1e3, (s.end - s.start) * 1e3)]
+            if s.lane == "compute":  # forward pale, backward solid
+                phase, unit = s.name.split(" ", 1)
+                ax.broken_barh(bar, (y_comp, 0.9), facecolors=colors[unit], edgecolor="white", linewidth=0.3,
+                               alpha=0.55 if phase == "forward" else 1.0)
+            elif s.lane == "wait":
+                ax.broken_barh(bar, (y_comp, 0.9), facecolors="none", edgecolor="0.35", hatch="////", linewidth=0.3)
+            else:
+                ax.broken_barh(bar, (y_comm, 0.9), facecolors=_COMM_COLORS.get(s.lane, "k"), edgecolor="white",
+                               linewidth=0.3)
+        labels += [(y_comm + 0.45, f"rank {rank} comm"), (y_comp + 0.45, f"rank {rank} compute")]
+    ax.set_yticks([y for y, _ in labels], [t for _, t in labels])
+    ax.set_xlabel("ms since the start of the step")
+    if title:
+        ax.set_title(title, fontsize=10)
+    from matplotlib.patches import Patch
+    kinds = sorted({s.lane for spans in timelines for s in spans} - {"compute", "wait"})
+    handles = [Patch(facecolor=c, label=u) for u, c in colors.items()]
+    handles += [Patch(facecolor=_COMM_COLORS.get(k, "k"), label=k.replace("_", "-")) for k in kinds]
+    handles.append(Patch(facecolor="none", edgecolor="0.35", hatch="////", label="blocked waiting"))
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7, frameon=False)
+    if own and path:
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+    return ax
+
+
+def write_chrome_trace(timelines: list[list[Span]], path: str) -> None:
+    """A trace for chrome://tracing or ui.perfetto.dev: one process per rank, one thread per lane."""
+    lanes = sorted({s.lane for spans in timelines for s in spans}, key=lambda lane: (lane != "compute", lane))
+    events = []
+    for rank, spans in enumerate(timelines):
+        events.append({"ph": "M", "name": "process_name", "pid": rank, "args": {"name": f"rank {rank}"}})
+        for tid, lane in enumerate(lanes):
+            events.append({"ph": "M", "name": "thread_name", "pid": rank, "tid": tid, "args": {"name": lane}})
+        for s in spans:
+            lane = "compute" if s.lane == "wait" else s.lane  # a wait interrupts compute: same track
+            events.append({"ph": "X", "name": s.name if s.lane != "wait" else f"wait {s.name}",
+                           "cat": s.lane, "pid": rank, "tid": lanes.index(lane),
+                           "ts": s.start * 1e6, "dur": (s.end - s.start) * 1e6})
+    with open(path, "w") as f:
+        json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)

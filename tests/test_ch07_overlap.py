@@ -1,0 +1,282 @@
+"""Chapter 7: prefetching and the rate limiter change when collectives are issued, never a value.
+
+Parity is bit-exact against the same FSDP without prefetching (tolerance 0.0): every collective and every
+addition is the same, only issued earlier. The issue order is read from the comm counter and the
+timeline, not from timings. Overlap is checked on a throttled link, as a ratio from one run with wide bounds.
+"""
+
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from minifsdp import RankFailedError, comm, launch
+from minifsdp.fsdp import BACKWARD_POST, BACKWARD_PRE, AllGatherLimiter, BackwardPrefetch
+from minifsdp.fsdp import FullyShardedDataParallel as FSDP, ModuleWrapPolicy
+from minifsdp.models import Block, GPTConfig
+from minifsdp.overlap import MODES, build, expected_full_units, full_buffers, measure_prefetch_memory, step
+from minifsdp.timeline import Span, Timeline, hidden_fraction, lane_time, plot_timeline, write_chrome_trace
+from minifsdp.train import OPTIMIZERS, batch, loss_of
+
+WORLD_SIZES = (1, 2, 3, 4)
+TINY = GPTConfig()  # 2 blocks: a root and two units
+SMALL = GPTConfig(vocab_size=96, block_size=32, n_layer=3, n_head=2, n_embd=48)
+VARIANTS = {mode: dict(MODES[mode]) for mode in MODES}
+VARIANTS["forward_prefetch + BACKWARD_PRE, no limiter"] = dict(MODES["forward_prefetch + BACKWARD_PRE"],
+                                                             limit_all_gathers=False)
+VARIANTS["BACKWARD_POST, NRAF"] = dict(MODES["BACKWARD_POST"], reshard_after_forward=False)
+VARIANTS["forward_prefetch + BACKWARD_PRE, NRAF"] = dict(MODES["forward_prefetch + BACKWARD_PRE"],
+                                                        reshard_after_forward=False)
+
+
+# -- pieces, without ranks (first, so that they fail fast when an exercise is missing) --------------------
+def test_hidden_fraction_on_made_up_spans():
+    comm_only = [Span("all_gather", "a", 0.0, 10.0), Span("reduce_scatter", "b", 5.0, 15.0)]
+    assert hidden_fraction(comm_only) == 1.0  # nobody waited
+    assert hidden_fraction(comm_only + [Span("wait", "a", 0.0, 15.0)]) == 0.0
+    assert hidden_fraction(comm_only + [Span("wait", "a", 5.0, 8.0), Span("wait", "b", 12.0, 20.0)]) == pytest.approx(0.6)
+    assert hidden_fraction([Span("compute", "forward x", 0.0, 1.0)]) == 1.0
+
+
+def test_rate_limiter_waits_for_the_oldest_free():
+    class Event:
+        def __init__(self):
+            self.synced = False
+
+        def synchronize(self):
+            self.synced = True
+
+    limiter = AllGatherLimiter(limit=2)
+    events = [Event(), Event(), Event()]
+    limiter.pending.extend(events[:2])
+    limiter.before_all_gather()          # two frees outstanding: wait for the oldest
+    assert [e.synced for e in events] == [True, False, False]
+    limiter.pending.append(events[2])
+    limiter.before_all_gather()
+    assert [e.synced for e in events] == [True, True, False]
+    limiter.freed(torch.zeros(1))        # a CPU buffer is freed when reshard returns: nothing to wait for
+    assert len(limiter.pending) == 1
+
+
+def test_bad_input_is_named():
+    with pytest.raises(RankFailedError, match="ValueError: backward_prefetch must be"):
+        launch(_bad_prefetch, world_size=1, device="cpu")
+    with pytest.raises(ValueError, match="bandwidth"):
+        with comm.throttled(bandwidth=0):
+            pass
+
+
+def train_variant(variant, optimizer, steps=4):
+    n, r = dist.get_world_size(), dist.get_rank()
+    model = FSDP(_gpt(), auto_wrap_policy=ModuleWrapPolicy({Block}), **VARIANTS[variant])
+    opt = OPTIMIZERS[optimizer](model.parameters())
+    for i in range(steps):
+        loss_of("gpt", model, batch("gpt", i, 12, r, n, "cpu", SMALL)).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=i % 2 == 0)
+    return model.full_state_dict()
+
+
+def _gpt():
+    from minifsdp.models import TinyGPT
+    return TinyGPT(SMALL, seed=dist.get_rank())  # each rank its own weights: FSDP must broadcast rank 0's
+
+
+def issue_order(mode):
+    """The third step of a mode: the collectives in issue order, with issue times, and the compute spans."""
+    model, opt = build(SMALL, mode)
+    for i in range(2):
+        step(model, opt, SMALL, i, global_batch=12)
+    with Timeline() as tl:
+        step(model, opt, SMALL, 2, global_batch=12)
+    events = [(e.kind, e.tag.split(" ", 1)[1], e.issued - tl.origin) for e in tl.counter.events]
+    return events, tl.spans()
+
+
+class Reordered(nn.Module):
+    """Three units; on odd steps the last two run in the other order -- not a static graph."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(6, 8)
+        self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x, odd):
+        h = self.a(torch.tanh(self.inp(x)))
+        h = self.c(self.b(h)) if not odd else self.b(self.c(h))
+        return h.pow(2).mean()
+
+
+def dynamic_order(prefetch):
+    kw = MODES["forward_prefetch + BACKWARD_PRE"] if prefetch else MODES["no prefetch"]
+    model = FSDP(Reordered(), auto_wrap_policy=ModuleWrapPolicy({nn.Linear}), **kw)
+    opt = OPTIMIZERS["sgd"](model.parameters())
+    leftovers = []
+    g = torch.Generator().manual_seed(dist.get_rank())
+    for i in range(5):
+        loss = model(torch.randn(4, 6, generator=g), odd=i % 2 == 1)
+        leftovers.append(sum(f.is_unsharded for u in model.units()[1:] for f in u.flat_params))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return model.full_state_dict(), leftovers
+
+
+def chapter_cases():
+    n = dist.get_world_size()
+    out = {"parity": {(v, o): train_variant(v, o) for v in VARIANTS for o in ("sgd", "adamw")},
+           "order": {mode: issue_order(mode) for mode in MODES},
+           "dynamic": {p: dynamic_order(p) for p in (False, True)}}
+    if n in (2, 4):
+        out["memory"] = measure_prefetch_memory(config=SMALL)
+    if n == 2:
+        out["throttled"] = throttled_overlap()
+    return out
+
+
+def throttled_overlap():
+    """On a slow link (latency dominating), one step without and one with prefetching."""
+    out = {}
+    for mode in ("no prefetch", "forward_prefetch + BACKWARD_PRE"):
+        model, opt = build(SMALL, mode)
+        with comm.throttled(bandwidth=1e9, latency=5e-3):
+            for i in range(2):
+                step(model, opt, SMALL, i, global_batch=12)
+            with Timeline() as tl:
+                step(model, opt, SMALL, 2, global_batch=12)
+        out[mode] = tl.spans()
+    return out
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    return {n: launch(chapter_cases, world_size=n, device="cpu") for n in WORLD_SIZES}
+
+
+# -- values: prefetching never changes one -----------------------------------------------------------------
+@pytest.mark.parametrize("n", WORLD_SIZES)
+@pytest.mark.parametrize("variant", [v for v in VARIANTS if v != "no prefetch"])
+@pytest.mark.parametrize("opt", ["sgd", "adamw"])
+def test_prefetch_keeps_bit_exact_parity(ranks, n, variant, opt):
+    for r in range(n):
+        ours, reference = ranks[n][r]["parity"][(variant, opt)], ranks[n][r]["parity"][("no prefetch", opt)]
+        assert max(float((ours[k] - reference[k]).abs().max()) for k in ours) == 0.0
+
+
+@pytest.mark.parametrize("n", WORLD_SIZES)
+def test_changing_order_is_still_right_and_leaves_nothing_unsharded(ranks, n):
+    """A prefetch the graph does not use is freed at the end of forward, and values stay exact."""
+    for r in range(n):
+        (plain, left_plain), (prefetched, left_prefetched) = ranks[n][r]["dynamic"][False], ranks[n][r]["dynamic"][True]
+        assert max(float((plain[k] - prefetched[k]).abs().max()) for k in plain) == 0.0
+        assert left_plain == left_prefetched == [0] * 5
+
+
+# -- order: read from the recorder --------------------------------------------------------------------------
+def _backward_events(events):
+    """The collectives of backward: forward all-gathers the root and each block once, backward the rest."""
+    ags = [i for i, (kind, _, _) in enumerate(events) if kind == "all_gather"]
+    return events[ags[SMALL.n_layer] + 1:]
+
+
+def _index(events, kind, unit):
+    return next(i for i, (k, u, _) in enumerate(events) if k == kind and u == unit)
+
+
+def _compute(spans, name):
+    mine = [s for s in spans if s.lane == "compute" and s.name == name]
+    assert mine, f"no compute span {name!r}"
+    return min(s.start for s in mine), max(s.end for s in mine)
+
+
+@pytest.mark.parametrize("n", WORLD_SIZES)
+def test_backward_issue_order_matches_the_mode(ranks, n):
+    for r in range(n):
+        for mode in MODES:
+            events, spans = ranks[n][r]["order"][mode]
+            back = _backward_events(events)
+            for i in range(SMALL.n_layer - 1, 0, -1):
+                ag_next, rs_here = _index(back, "all_gather", f"blocks.{i - 1}"), _index(back, "reduce_scatter", f"blocks.{i}")
+                issued_next = back[ag_next][2]
+                start, end = _compute(spans, f"backward blocks.{i}")
+                prefetch = MODES[mode]["backward_prefetch"]
+                if prefetch is None:   # issued when its own backward starts: behind our reduce-scatter
+                    assert rs_here < ag_next, (mode, i)
+                else:                  # ahead of our reduce-scatter ...
+                    assert ag_next < rs_here, (mode, i)
+                if prefetch == BACKWARD_PRE:   # ... and before our compute
+                    assert issued_next <= start, (mode, i)
+                if prefetch == BACKWARD_POST:  # ... but after it
+                    assert issued_next >= end, (mode, i)
+
+
+@pytest.mark.parametrize("n", WORLD_SIZES)
+def test_forward_prefetch_issues_the_next_all_gather_before_computing(ranks, n):
+    for r in range(n):
+        for mode in MODES:
+            events, spans = ranks[n][r]["order"][mode]
+            first_ag = {}
+            for kind, unit, t in events:
+                if kind == "all_gather":
+                    first_ag.setdefault(unit, t)
+            for i in range(SMALL.n_layer - 1):
+                start, end = _compute(spans, f"forward blocks.{i}")
+                if MODES[mode]["forward_prefetch"]:
+                    assert first_ag[f"blocks.{i + 1}"] <= start, (mode, i)
+                else:
+                    assert first_ag[f"blocks.{i + 1}"] >= end, (mode, i)
+
+
+@pytest.mark.parametrize("n", WORLD_SIZES)
+def test_timeline_has_every_units_compute_in_both_phases(ranks, n):
+    _, spans = ranks[n][0]["order"]["no prefetch"]
+    names = {s.name for s in spans if s.lane == "compute"}
+    units = ["(root)"] + [f"blocks.{i}" for i in range(SMALL.n_layer)]
+    assert names == {f"{phase} {u}" for phase in ("forward", "backward") for u in units}
+    assert all(s.end >= s.start >= 0 for s in spans)
+
+
+# -- memory: the extra full buffer, measured = analytic ---------------------------------------------------------
+@pytest.mark.parametrize("n", [2, 4])
+def test_prefetch_memory_is_one_more_full_buffer(ranks, n):
+    res = ranks[n][0]["memory"]
+    for (mode, limit), m in res.items():
+        blocks = [u for u in m["units"] if u != "(root)"]
+        for phase in ("forward", "backward"):
+            alive = ["(root)"] + blocks[:expected_full_units(mode, phase)]
+            assert m[phase]["params"] == full_buffers(m["units"], n, alive), (mode, limit, phase)
+    # the rate limiter never waits on the CPU, so it changes nothing here
+    both = "forward_prefetch + BACKWARD_PRE"
+    assert res[(both, True)]["backward"] == res[(both, False)]["backward"]
+    # prefetching in backward raises the step's peak by up to one block's full parameters
+    none, pre = res[("no prefetch", True)], res[("BACKWARD_PRE", True)]
+    block = 4 * res[("no prefetch", True)]["units"]["blocks.0"]
+    assert 0 <= pre["backward"]["total"] - none["backward"]["total"] <= block
+
+
+# -- overlap: on a throttled link ------------------------------------------------------------------------------
+def test_prefetching_hides_communication_on_a_slow_link(ranks, tmp_path):
+    off, on = (ranks[2][0]["throttled"][m] for m in ("no prefetch", "forward_prefetch + BACKWARD_PRE"))
+    # generous bounds: measured about 0.4-0.6 for the waits; noise on a loaded 2-core machine
+    assert lane_time(on, "wait") < 0.85 * lane_time(off, "wait")
+    assert hidden_fraction(on) > hidden_fraction(off)
+    timelines = [r["throttled"]["forward_prefetch + BACKWARD_PRE"] for r in ranks[2]]
+    write_chrome_trace(timelines, tmp_path / "trace.json")
+    trace = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    assert {e["pid"] for e in trace} == {0, 1}
+    assert sum(e["ph"] == "X" for e in trace) == sum(len(t) for t in timelines)
+    plot_timeline(timelines, str(tmp_path / "timeline.png"))
+    assert (tmp_path / "timeline.png").stat().st_size > 0
+
+
+def _bad_prefetch():
+    FSDP(nn.Linear(2, 2), backward_prefetch="BACKWARD_PRE")
+
+
+def test_backward_prefetch_names_match_torch():
+    from torch.distributed.fsdp import BackwardPrefetch as TorchBackwardPrefetch
+
+    assert {m.name for m in BackwardPrefetch} == {m.name for m in TorchBackwardPrefetch}
