@@ -59,7 +59,10 @@ def fail_on_rank_one():
     time.sleep(60)
 
 
-def test_a_rank_that_raises_stops_the_others_with_a_message(capfd):
+def test_a_rank_that_raises_stops_the_others_with_a_message(capfd, monkeypatch):
+    # spawned fresh, so the ranks write to this test's stderr (a fork server's children write to the
+    # server's, wherever that was when it started)
+    monkeypatch.setenv("MINIFSDP_START_METHOD", "spawn")
     start = time.time()
     with pytest.raises(RankFailedError) as info:
         launch(fail_on_rank_one, world_size=3, device="cpu", timeout=30)
