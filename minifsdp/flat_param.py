@@ -121,6 +121,7 @@ class FlatParameter:
         self.limiter = None                          # FullyShardedDataParallel's rate limiter, if any
         self.name = ""                               # the unit's name, for the byte counter's tags
         self.saved_grad = None                       # see FullyShardedDataParallel._pre_backward
+        self.unsharded_grad = None                   # full gradients kept by no_sync() (chapter 9)
         for module, name in places:                  # the originals live on only as views
             delattr(module, name)
         for p in params:

@@ -46,6 +46,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._pytree import tree_leaves
 
 from minifsdp import comm, timeline
+from minifsdp.clip import clip_sharded_grad_norm_
 from minifsdp.flat_param import FlatParameter, sync_all_gathers
 
 
@@ -207,6 +208,7 @@ class FullyShardedDataParallel(nn.Module):
         self._pending = []            # reduce-scatters in flight (root only)
         self._callback_queued = False  # root only
         self._backward_started = False
+        self._sync_gradients = True                    # False inside no_sync()
         self._order = {"forward": [], "backward": []}  # units in the order they ran (root only) ...
         self._order_recorded = False                   # ... recorded during the first step
     # --8<-- [end:init]
@@ -317,6 +319,8 @@ class FullyShardedDataParallel(nn.Module):
         timeline.compute_end(f"backward {self.unit_name}")
         if self.backward_prefetch == BackwardPrefetch.BACKWARD_POST:  # ahead of our reduce-scatter
             self._prefetch(self._root_unit._next("backward", self))
+        if self._accumulate_unsharded(flat):  # inside no_sync() (chapter 9): nothing is sent
+            return
         # BEGIN EXERCISE 6.1: reduce-scatter the flat gradient (async), queue it for the root, reshard
         full_grad = flat.param.grad
         flat.param.grad = None
@@ -343,6 +347,10 @@ class FullyShardedDataParallel(nn.Module):
     def _finish_backward(self) -> None:
         """End of backward (root only): wait for the reduce-scatters, hand the shards to the optimizer."""
         self._retire_finished(wait=True)
+        for unit in self.units():
+            for flat in unit.flat_params:  # no reduce-scatter came to add to it (no_sync, or no gradient)
+                if flat.saved_grad is not None:
+                    flat.param.grad, flat.saved_grad = flat.saved_grad, None
         self._order_recorded = True  # the first step has shown the order: prefetching may use it
         for unit in self.units():
             timeline.compute_end(f"backward {unit.unit_name}")  # a unit without gradients never ended
@@ -351,6 +359,50 @@ class FullyShardedDataParallel(nn.Module):
                 flat.reshard()  # the root, and any unit whose parameters got no gradient
         self._callback_queued = False
     # --8<-- [end:finish_backward]
+
+    # -- chapter 9: accumulation and clipping -------------------------------------------------------------------
+    # --8<-- [start:no_sync]
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward passes inside the block send nothing: every unit keeps its full flat gradient and adds
+        the next one to it. The first backward after the block adds them in and reduce-scatters once. The
+        FSDP paper's trade: one reduce-scatter per unit instead of one per micro-batch, for 4Ψ of
+        unsharded gradients (DDP's amount) held between the micro-batches."""
+        units = self.units()
+        before = [u._sync_gradients for u in units]
+        for u in units:
+            u._sync_gradients = False
+        try:
+            yield
+        finally:
+            for u, b in zip(units, before):
+                u._sync_gradients = b
+
+    def _accumulate_unsharded(self, flat: FlatParameter) -> bool:
+        """Inside no_sync(): keep the full gradient and reshard (True). Outside: fold in what no_sync kept."""
+        full_grad = flat.param.grad
+        if not self._sync_gradients:
+            flat.param.grad = None
+            flat.unsharded_grad = full_grad if flat.unsharded_grad is None else flat.unsharded_grad.add_(full_grad)
+            flat.reshard()
+            return True
+        if flat.unsharded_grad is not None:
+            full_grad.add_(flat.unsharded_grad)  # the same sum DDP's no_sync makes, before averaging
+            flat.unsharded_grad = None
+        return False
+    # --8<-- [end:no_sync]
+
+    # --8<-- [start:clip]
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Scale every gradient so that the norm of the whole model's gradient is at most `max_norm`, as
+        torch.nn.utils.clip_grad_norm_ would on the full gradients; returns that norm (before clipping).
+        Each rank holds a disjoint shard of every flat gradient: see minifsdp/clip.py."""
+        if not self.is_root:
+            raise RuntimeError("clip_grad_norm_() clips the whole model: call it on the root unit")
+        grads = [flat.param.grad for unit in self.units() for flat in unit.flat_params
+                 if flat.param.grad is not None]
+        return clip_sharded_grad_norm_(grads, max_norm, norm_type)
+    # --8<-- [end:clip]
 
     # -- utilities ---------------------------------------------------------------------------------------------
     # --8<-- [start:summon]

@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from minifsdp import comm
+from minifsdp.clip import clip_sharded_grad_norm_
 
 
 # --8<-- [start:partition]
@@ -97,6 +98,13 @@ class OSS(torch.optim.Optimizer):
 
     def owned_params(self, rank: int) -> list[torch.Tensor]:
         return [p for group in self._partition[rank] for p in group["params"]]
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip as torch.nn.utils.clip_grad_norm_ would on all the gradients (chapter 9). Each parameter is
+        owned, and stepped, by one rank, so each rank sums over its own (ZeRO-2 keeps only those) and
+        scales them; minifsdp/clip.py. Returns the total norm before clipping."""
+        grads = [p.grad for p in self.owned_params(self.rank) if p.grad is not None]
+        return clip_sharded_grad_norm_(grads, max_norm, norm_type)
 
     # --8<-- [start:param_groups]
     def add_param_group(self, param_group: dict) -> None:

@@ -1,0 +1,198 @@
+"""Chapter 9 (part): gradient accumulation with and without no_sync(), and clipping on sharded gradients,
+for FSDP and for the strategies of chapters 1, 3 and 4.
+
+References: torch's DDP (with its own no_sync and torch.nn.utils.clip_grad_norm_) and one process on the
+global batch. Tolerances:
+- FSDP's no_sync against DDP's no_sync: both add the micro-batch gradients locally in the same order and
+  average once, so bit-exact at N = 1, 2; at N = 3, 4 the reduce-scatter adds the ranks in another order
+  than the all-reduce: 1e-6 (as in chapter 6).
+- Reducing every micro-batch against DDP's no_sync: the average of sums vs the sum of averages rounds
+  differently at any N: 1e-6.
+- Against one process on the whole batch: every addition in another order: 1e-5.
+- Clipping: the global norm is summed from per-shard partial sums, not per-tensor norms: 1e-5 relative on
+  the norm, 1e-6 on the parameters (SGD, whose step scales with the clipped gradient).
+"""
+
+import contextlib
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from minifsdp import MemoryMeter, launch
+from minifsdp.fsdp import FullyShardedDataParallel as FSDP, ModuleWrapPolicy
+from minifsdp.models import Block
+from minifsdp.state_dict import get_full_state_dict
+from minifsdp.train import OPTIMIZERS, STRATEGIES, batch, build_model, loss_of, max_abs_diff
+
+WORLD_SIZES = (1, 2, 3, 4)
+MICRO, STEPS = 3, 3
+EXACT = {1: 0.0, 2: 0.0, 3: 1e-6, 4: 1e-6}
+
+
+STRATEGY_OF = {"ddp": "torch_ddp", "ours_ddp": "ddp", "oss": "oss", "sdp": "sdp", "sdp_flat": "sdp_flat"}
+
+
+def _build(kind, net, optimizer):
+    """(model, optimizer): torch's DDP, or one of minifsdp's strategies (our FSDP without prefetching)."""
+    if kind.startswith("fsdp"):
+        model = FSDP(net, auto_wrap_policy=ModuleWrapPolicy({Block}))
+        return model, OPTIMIZERS[optimizer](model.parameters())
+    return STRATEGIES[STRATEGY_OF[kind]].build(net, optimizer, False)
+
+
+def _params(kind, model, net):
+    return get_full_state_dict(model) if kind.startswith("fsdp") else {k: v.detach().clone() for k, v in net.state_dict().items()}
+
+
+def accumulate(kind, optimizer):
+    """STEPS optimizer steps of MICRO micro-batches each; the loss of each is divided by MICRO."""
+    n, r = dist.get_world_size(), dist.get_rank()
+    net = build_model("gpt", seed=r)
+    model, opt = _build(kind, net, optimizer)
+    for step in range(STEPS):
+        for m in range(MICRO):
+            quiet = kind != "fsdp_sync_each" and m < MICRO - 1
+            with model.no_sync() if quiet else contextlib.nullcontext():
+                (loss_of("gpt", model, batch("gpt", step * MICRO + m, 12, r, n, "cpu")) / MICRO).backward()
+        opt.step()
+        opt.zero_grad()
+    return _params(kind, model, net)
+
+
+def single_process(optimizer):
+    net = build_model("gpt", seed=0)
+    opt = OPTIMIZERS[optimizer](net.parameters())
+    for step in range(STEPS):
+        for m in range(MICRO):
+            (loss_of("gpt", net, batch("gpt", step * MICRO + m, 12, 0, 1, "cpu")) / MICRO).backward()
+        opt.step()
+        opt.zero_grad()
+    return {k: v.detach().clone() for k, v in net.state_dict().items()}
+
+
+MAX_NORM = {2.0: 0.5, float("inf"): 0.02}  # below every step's norm (the test checks), so clipping acts
+
+
+def clipped(kind, norm_type):
+    max_norm = MAX_NORM[norm_type]
+    n, r = dist.get_world_size(), dist.get_rank()
+    net = build_model("gpt", seed=r)
+    model, opt = _build(kind, net, "sgd")
+    norms = []
+    for step in range(4):
+        loss_of("gpt", model, batch("gpt", step, 12, r, n, "cpu")).backward()
+        if kind == "fsdp":
+            norms.append(float(model.clip_grad_norm_(max_norm, norm_type)))
+        elif kind in ("oss", "sdp"):  # the sharded optimizer knows who owns what
+            norms.append(float(opt.clip_grad_norm_(max_norm, norm_type)))
+        else:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type)))
+        opt.step()
+        opt.zero_grad()
+    return _params(kind, model, net), norms
+
+
+def no_sync_memory():
+    """Live bytes a no_sync backward leaves behind (the unsharded gradients), and a synced one after it."""
+    n, r = dist.get_world_size(), dist.get_rank()
+    model = FSDP(build_model("gpt", seed=0), auto_wrap_policy=ModuleWrapPolicy({Block}))
+    opt = OPTIMIZERS["adamw"](model.parameters())
+    loss_of("gpt", model, batch("gpt", 0, 12, r, n, "cpu")).backward()
+    opt.step()
+    opt.zero_grad()
+    meter = MemoryMeter(model, opt)
+    with meter:
+        base = meter.live()["total"]
+        with model.no_sync():
+            loss_of("gpt", model, batch("gpt", 1, 12, r, n, "cpu")).backward()
+        kept = meter.live()["total"] - base
+        loss_of("gpt", model, batch("gpt", 2, 12, r, n, "cpu")).backward()
+        after = meter.live()["total"] - base
+    meter.close()
+    flats = [f for u in model.units() for f in u.flat_params]
+    return {"kept": kept, "after": after, "padded": sum(f.shard_numel * n for f in flats),
+            "left": sum(f.unsharded_grad is not None for f in flats)}
+
+
+def chapter_cases():
+    out = {}
+    for opt in ("sgd", "adamw"):
+        for kind in ("ddp", "fsdp", "fsdp_sync_each", "ours_ddp", "oss", "sdp", "sdp_flat"):
+            out[("accumulate", kind, opt)] = accumulate(kind, opt)
+        if dist.get_rank() == 0:
+            out[("single", opt)] = single_process(opt)
+    for norm_type in (2.0, float("inf")):
+        for kind in ("ddp", "fsdp", "oss", "sdp"):
+            out[("clip", kind, norm_type)] = clipped(kind, norm_type)
+    out["memory"] = no_sync_memory()
+    return out
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    return {n: launch(chapter_cases, world_size=n, device="cpu") for n in WORLD_SIZES}
+
+
+@pytest.mark.parametrize("n", WORLD_SIZES)
+@pytest.mark.parametrize("opt", ["sgd", "adamw"])
+def test_no_sync_accumulation_equals_ddps(ranks, n, opt):
+    for r in range(n):
+        ours, ddp = ranks[n][r][("accumulate", "fsdp", opt)], ranks[n][r][("accumulate", "ddp", opt)]
+        assert max_abs_diff(ours, ddp) <= EXACT[n]
+
+
+@pytest.mark.parametrize("n", WORLD_SIZES)
+@pytest.mark.parametrize("opt", ["sgd", "adamw"])
+@pytest.mark.parametrize("kind", ["ours_ddp", "oss", "sdp", "sdp_flat"])
+def test_no_sync_accumulation_of_the_other_strategies(ranks, n, opt, kind):
+    """Our DDP and OSS on it add locally and all-reduce once, as torch's DDP: bit-exact. SDP reduces each
+    bucket to its owner and the flat ZeRO-2 reduce-scatters: other orders of addition at N >= 3."""
+    tolerance = 0.0 if kind in ("ours_ddp", "oss") else EXACT[n]
+    for r in range(n):
+        ours, ddp = ranks[n][r][("accumulate", kind, opt)], ranks[n][r][("accumulate", "ddp", opt)]
+        assert max_abs_diff(ours, ddp) <= tolerance
+
+
+@pytest.mark.parametrize("n", WORLD_SIZES)
+@pytest.mark.parametrize("opt", ["sgd", "adamw"])
+def test_reducing_every_micro_batch_equals_it_too(ranks, n, opt):
+    for r in range(n):
+        each, ddp = ranks[n][r][("accumulate", "fsdp_sync_each", opt)], ranks[n][r][("accumulate", "ddp", opt)]
+        assert max_abs_diff(each, ddp) <= 1e-6
+
+
+@pytest.mark.parametrize("n", WORLD_SIZES)
+@pytest.mark.parametrize("opt", ["sgd", "adamw"])
+def test_accumulation_equals_one_process_on_the_whole_batch(ranks, n, opt):
+    single = ranks[n][0][("single", opt)]
+    for kind in ("fsdp", "fsdp_sync_each", "ddp"):
+        assert max_abs_diff(ranks[n][0][("accumulate", kind, opt)], single) <= 1e-5, kind
+
+
+@pytest.mark.parametrize("n", WORLD_SIZES)
+@pytest.mark.parametrize("norm_type", [2.0, float("inf")], ids=["l2", "inf"])
+@pytest.mark.parametrize("kind", ["fsdp", "oss", "sdp"])
+def test_clipping_sharded_gradients_equals_clipping_full_ones(ranks, n, norm_type, kind):
+    for r in range(n):
+        (ours, our_norms), (ddp, ddp_norms) = (ranks[n][r][("clip", k, norm_type)] for k in (kind, "ddp"))
+        assert all(d > MAX_NORM[norm_type] for d in ddp_norms), "max_norm must be below the norms, or nothing is clipped"
+        assert our_norms == pytest.approx(ddp_norms, rel=1e-5)
+        assert max_abs_diff(ours, ddp) <= 1e-6
+
+
+@pytest.mark.parametrize("n", WORLD_SIZES)
+def test_no_sync_keeps_the_unsharded_gradients_and_the_next_backward_drops_them(ranks, n):
+    m = ranks[n][0]["memory"]
+    assert m["kept"] == 4 * m["padded"]  # every unit's full flat gradient: 4Ψ (padded)
+    assert m["left"] == 0 and (m["after"] < m["kept"] or n == 1)  # at N = 1 a shard is the whole
+
+
+def test_clip_grad_norm_is_for_the_root():
+    with pytest.raises(Exception, match="call it on the root unit"):
+        launch(_clip_on_a_nested_unit, world_size=1, device="cpu")
+
+
+def _clip_on_a_nested_unit():
+    model = FSDP(build_model("gpt", seed=0), auto_wrap_policy=ModuleWrapPolicy({Block}))
+    model.units()[1].clip_grad_norm_(1.0)
