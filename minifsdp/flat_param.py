@@ -183,13 +183,16 @@ class FlatParameter:
 
     # --8<-- [start:views]
     def _set_views(self, use_full: bool) -> None:
-        if use_full:
-            # Cut from self.param (now the full buffer), so autograd sends their gradients into param.grad
-            views = self.param[: self.numel].split(self.numels)
-        else:  # sharded: the originals are not usable; empty tensors make a stray use fail loudly
-            views = [torch.empty(0, dtype=self._shard.dtype, device=self._shard.device)] * len(self.numels)
-        for (module, name), i in zip(self.places, self.index):
-            setattr(module, name, views[i].view(self.shapes[i]) if use_full else views[i])
+        # Cut from self.param (now the full buffer), so autograd sends their gradients into param.grad --
+        # even when made inside backward, where grad mode is off: a forward recomputed there (activation
+        # checkpointing, chapter 9) computes with these views, and its gradients must reach param.grad.
+        with torch.enable_grad():
+            if use_full:
+                views = self.param[: self.numel].split(self.numels)
+            else:  # sharded: the originals are not usable; empty tensors make a stray use fail loudly
+                views = [torch.empty(0, dtype=self._shard.dtype, device=self._shard.device)] * len(self.numels)
+            for (module, name), i in zip(self.places, self.index):
+                setattr(module, name, views[i].view(self.shapes[i]) if use_full else views[i])
     # --8<-- [end:views]
 
     # --8<-- [start:write_back]

@@ -245,6 +245,8 @@ class FullyShardedDataParallel(nn.Module):
         timeline.compute_begin(f"forward {self.unit_name}")
         out = self.module(*args, **kwargs)
         timeline.compute_end(f"forward {self.unit_name}")
+        if self._backward_started:  # a forward recomputed inside our backward (activation checkpointing):
+            return out               # our parameters stay for the backward, which has its hooks already
         grads_coming = torch.is_grad_enabled() and any(
             isinstance(t, torch.Tensor) and t.requires_grad for t in tree_leaves(out))
         # the root keeps its parameters: its backward is the first to run, right after forward

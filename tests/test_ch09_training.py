@@ -1,5 +1,5 @@
-"""Chapter 9 (part): gradient accumulation with and without no_sync(), and clipping on sharded gradients,
-for FSDP and for the strategies of chapters 1, 3 and 4.
+"""Chapter 9 (part): gradient accumulation with and without no_sync(), clipping on sharded gradients, for
+FSDP and for the strategies of chapters 1, 3 and 4; activation checkpointing composed with FSDP.
 
 References: torch's DDP (with its own no_sync and torch.nn.utils.clip_grad_norm_) and one process on the
 global batch. Tolerances:
@@ -19,9 +19,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from minifsdp import MemoryMeter, launch
+from minifsdp import MemoryMeter, comm, launch
+from minifsdp.checkpointing import checkpoint_module
 from minifsdp.fsdp import FullyShardedDataParallel as FSDP, ModuleWrapPolicy
-from minifsdp.models import Block
+from minifsdp.models import Block, GPTConfig, TinyGPT
 from minifsdp.state_dict import get_full_state_dict
 from minifsdp.train import OPTIMIZERS, STRATEGIES, batch, build_model, loss_of, max_abs_diff
 
@@ -115,6 +116,67 @@ def no_sync_memory():
             "left": sum(f.unsharded_grad is not None for f in flats)}
 
 
+# -- activation checkpointing ------------------------------------------------------------------------------
+DEEP = GPTConfig(n_layer=4)
+
+
+def checkpointed(order, reentrant=False, kind="fsdp"):
+    """Three SGD steps with checkpointed blocks: FSDP(checkpoint(block)), checkpoint(FSDP(block)), or none;
+    the parameters, and the collectives of the last step."""
+    n, r = dist.get_world_size(), dist.get_rank()
+    net = build_model("gpt", seed=r)
+    if order == "fsdp(ckpt)":
+        for block in net.blocks:
+            checkpoint_module(block, use_reentrant=reentrant)
+    model, opt = _build(kind, net, "sgd")
+    if order == "ckpt(fsdp)":
+        for unit in model.units()[1:]:
+            checkpoint_module(unit, use_reentrant=reentrant)
+    for step in range(3):
+        with comm.counting() as counter:
+            loss_of("gpt", model, batch("gpt", step, 12, r, n, "cpu")).backward()
+        opt.step()
+        opt.zero_grad()
+    return _params(kind, model, net), dict(counter.calls)
+
+
+def checkpoint_memory(ckpt):
+    """Live bytes forward leaves for backward, and the step's peak, with or without checkpointed blocks."""
+    n, r = dist.get_world_size(), dist.get_rank()
+    net = TinyGPT(DEEP)
+    if ckpt:
+        for block in net.blocks:
+            checkpoint_module(block)
+    model = FSDP(net, auto_wrap_policy=ModuleWrapPolicy({Block}))
+    opt = OPTIMIZERS["adamw"](model.parameters())
+    meter = MemoryMeter(model, opt)
+    for step in range(2):
+        with meter if step == 1 else contextlib.nullcontext():
+            meter.reset_peak()
+            before = meter.live()["total"]
+            loss = loss_of("gpt", model, batch("gpt", step, 12, r, n, "cpu", DEEP))
+            kept = meter.live()["total"] - before
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    meter.close()
+    return {"kept": kept, "peak": meter.peak}
+
+
+def one_blocks_activations():
+    """What one block's forward leaves alive for its backward, and its output (measured on its own)."""
+    n = dist.get_world_size()
+    torch.manual_seed(0)
+    block = Block(DEEP)
+    x = torch.randn(12 // n, DEEP.block_size, DEEP.n_embd, requires_grad=True)
+    meter = MemoryMeter(block)
+    with meter:
+        before = meter.live()["total"]
+        y = block(x)
+        kept = meter.live()["total"] - before
+    return {"kept": kept, "output": y.numel() * y.element_size()}
+
+
 def chapter_cases():
     out = {}
     for opt in ("sgd", "adamw"):
@@ -126,6 +188,13 @@ def chapter_cases():
         for kind in ("ddp", "fsdp", "oss", "sdp"):
             out[("clip", kind, norm_type)] = clipped(kind, norm_type)
     out["memory"] = no_sync_memory()
+    for order, reentrant in [("none", False), ("fsdp(ckpt)", False), ("fsdp(ckpt)", True), ("ckpt(fsdp)", False),
+                             ("ckpt(fsdp)", True)]:
+        out[("ckpt", order, reentrant)] = checkpointed(order, reentrant)
+    for order in ("none", "fsdp(ckpt)"):  # DDP: the checkpoint needs no help from the strategy
+        out[("ckpt_ddp", order)] = checkpointed(order, kind="ours_ddp")
+    out["ckpt_memory"] = {c: checkpoint_memory(c) for c in (False, True)}
+    out["block"] = one_blocks_activations()
     return out
 
 
@@ -196,3 +265,37 @@ def test_clip_grad_norm_is_for_the_root():
 def _clip_on_a_nested_unit():
     model = FSDP(build_model("gpt", seed=0), auto_wrap_policy=ModuleWrapPolicy({Block}))
     model.units()[1].clip_grad_norm_(1.0)
+
+
+# -- activation checkpointing ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("n", WORLD_SIZES)
+@pytest.mark.parametrize("order,reentrant,extra", [("fsdp(ckpt)", False, 0), ("fsdp(ckpt)", True, 0),
+                                                   ("ckpt(fsdp)", False, 0), ("ckpt(fsdp)", True, 1)],
+                         ids=["FSDP(ckpt)", "FSDP(ckpt)-reentrant", "ckpt(FSDP)", "ckpt(FSDP)-reentrant"])
+def test_checkpointing_changes_no_value_and_costs_what_it_should(ranks, n, order, reentrant, extra):
+    """Bit-exact: the recomputed forward is the same computation. Communication: the same, except that
+    reentrant checkpoint(FSDP(block)) all-gathers each block once more (see minifsdp/checkpointing.py)."""
+    blocks = GPTConfig().n_layer
+    for r in range(n):
+        (params, calls), (plain, plain_calls) = ranks[n][r][("ckpt", order, reentrant)], ranks[n][r][("ckpt", "none", False)]
+        assert max_abs_diff(params, plain) == 0.0
+        assert calls["all_gather"] == plain_calls["all_gather"] + extra * blocks
+        assert calls["reduce_scatter"] == plain_calls["reduce_scatter"]
+
+
+@pytest.mark.parametrize("n", WORLD_SIZES)
+def test_checkpointing_under_ddp_changes_no_value(ranks, n):
+    for r in range(n):
+        assert max_abs_diff(ranks[n][r][("ckpt_ddp", "fsdp(ckpt)")][0], ranks[n][r][("ckpt_ddp", "none")][0]) == 0.0
+
+
+@pytest.mark.parametrize("n", WORLD_SIZES)
+def test_checkpointing_frees_the_blocks_activations(ranks, n):
+    """After forward, exactly each block's activations are gone (all but its output, which the next block
+    or the checkpoint keeps as its input), as measured on one block alone. The peak falls by less: backward
+    recomputes one block at a time, and the peak need not come where every block's activations are alive."""
+    plain, ckpt = ranks[n][0]["ckpt_memory"][False], ranks[n][0]["ckpt_memory"][True]
+    block = ranks[n][0]["block"]
+    per_block = block["kept"] - block["output"]
+    assert plain["kept"] - ckpt["kept"] == DEEP.n_layer * per_block
+    assert 0 < plain["peak"] - ckpt["peak"] <= DEEP.n_layer * per_block
