@@ -107,13 +107,13 @@ class FlatParameter:
         # BEGIN EXERCISE 5.1: flatten, pad to a multiple of N, keep this rank's shard
         self.shard_numel = -(-self.numel // self.world_size)  # ceil: every shard the same size
         padded = torch.zeros(self.shard_numel * self.world_size, dtype=params[0].dtype, device=params[0].device)
-        padded[: self.numel] = torch.cat([p.detach().reshape(-1) for p in params])
+        torch.cat([p.detach().reshape(-1) for p in params], out=padded[: self.numel])  # no second full copy
         start = self.rank * self.shard_numel
-        shard = padded[start: start + self.shard_numel].clone()  # a copy: `padded` itself is dropped
+        shard = padded[start: start + self.shard_numel].clone()  # a copy: `padded`'s memory is released
         # END EXERCISE
         self.param = nn.Parameter(shard, requires_grad=requires_grad)
         self._shard = shard                          # the one copy that persists
-        self._full = torch.empty_like(padded)        # the all-gather buffer; no memory while sharded
+        self._full = padded                          # becomes the all-gather buffer: no memory while sharded
         _free_storage(self._full)
         self.is_unsharded = False
         self._unshard_handle = None                  # an all-gather started, not yet waited for

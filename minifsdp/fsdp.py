@@ -48,6 +48,7 @@ from torch.utils._pytree import tree_leaves
 from minifsdp import comm, timeline
 from minifsdp.clip import clip_sharded_grad_norm_
 from minifsdp.flat_param import FlatParameter, sync_all_gathers
+from minifsdp.launch import current_device
 
 
 class BackwardPrefetch(enum.Enum):
@@ -152,6 +153,9 @@ class FullyShardedDataParallel(nn.Module):
                            in backward) or keep them until backward (False: more memory, less traffic).
     sync_module_states:    broadcast rank 0's parameters and buffers before sharding (check the shapes
                            agree across ranks first).
+    param_init_fn, device_id: deferred initialisation (chapter 9): a module built on the meta device is
+                           materialised on device_id (default: this rank's device) unit by unit, each
+                           module initialised by param_init_fn(module) (default: its reset_parameters()).
     backward_prefetch, forward_prefetch, limit_all_gathers: overlap, chapter 7 (see the module docstring).
                            PyTorch's FSDP defaults to backward_prefetch=BACKWARD_PRE; here it is None, so
                            that chapter 6's runtime is the one without overlap. Pass BACKWARD_PRE for
@@ -162,7 +166,8 @@ class FullyShardedDataParallel(nn.Module):
     def __init__(self, module: nn.Module, auto_wrap_policy=None, reshard_after_forward: bool = True,
                  sync_module_states: bool = True,
                  backward_prefetch: BackwardPrefetch | None = None,
-                 forward_prefetch: bool = False, limit_all_gathers: bool = True):
+                 forward_prefetch: bool = False, limit_all_gathers: bool = True,
+                 param_init_fn=None, device_id: torch.device | None = None):
         super().__init__()
         if backward_prefetch is not None and not isinstance(backward_prefetch, BackwardPrefetch):
             raise ValueError(f"backward_prefetch must be BackwardPrefetch.BACKWARD_PRE, .BACKWARD_POST or None, "
@@ -174,20 +179,22 @@ class FullyShardedDataParallel(nn.Module):
         module._fsdp_wrapped = True
         self.reshard_after_forward = reshard_after_forward
         self.backward_prefetch, self.forward_prefetch = backward_prefetch, forward_prefetch
+        deferred = any(t.is_meta for t in list(module.parameters()) + list(module.buffers()))
         if sync_module_states:  # every rank starts from rank 0's weights and buffers, as under DDP --
             # before anything is sharded (afterwards each rank's shard is its own, not rank 0's)
             comm.assert_same_across_ranks(list(module.named_parameters()) + list(module.named_buffers()))
-            with torch.no_grad():
-                for t in list(module.parameters()) + list(module.buffers()):
-                    comm.broadcast(t, src=0)
+            _broadcast([t for t in list(module.parameters()) + list(module.buffers()) if not t.is_meta])
         if auto_wrap_policy is not None:
             uses = {}
             for name, p in module.named_parameters(remove_duplicate=False):
                 uses.setdefault(p, []).append(name)
             _wrap_children(module, auto_wrap_policy, uses, reshard_after_forward=reshard_after_forward,
-                           sync_module_states=False, backward_prefetch=backward_prefetch,
-                           forward_prefetch=forward_prefetch, limit_all_gathers=limit_all_gathers)
+                           sync_module_states=sync_module_states and deferred, backward_prefetch=backward_prefetch,
+                           forward_prefetch=forward_prefetch, limit_all_gathers=limit_all_gathers,
+                           param_init_fn=param_init_fn, device_id=device_id)
         self.module = module
+        if deferred:  # chapter 9: this unit's own parameters come to life now, and are sharded at once
+            self._materialize_own(param_init_fn, device_id or current_device(), sync_module_states)
         self.flat_params = self._flatten_own_parameters()
         for i, flat in enumerate(self.flat_params):
             self.register_parameter(f"flat_param_{i}", flat.param)
@@ -212,6 +219,33 @@ class FullyShardedDataParallel(nn.Module):
         self._order = {"forward": [], "backward": []}  # units in the order they ran (root only) ...
         self._order_recorded = False                   # ... recorded during the first step
     # --8<-- [end:init]
+
+    # --8<-- [start:materialize]
+    def _materialize_own(self, param_init_fn, device: torch.device, broadcast: bool) -> None:
+        """Deferred init: give memory to the meta parameters and buffers this unit owns, and initialise them
+        with param_init_fn(module) (default: module.reset_parameters()) for each module it owns. Units are
+        built innermost first and each shards its parameters right after, so a rank never holds more than
+        one unit in full: a model larger than one rank's memory can be built."""
+        modules = list(_modules_not_in_units(self.module))
+        fresh = {}  # id(meta tensor) -> (meta tensor, its real replacement): a tied one is replaced once
+        for m in modules:
+            for table in (m._parameters, m._buffers):
+                for name, t in table.items():
+                    if t is not None and t.is_meta:
+                        if id(t) not in fresh:
+                            real = torch.empty_like(t, device=device)
+                            if isinstance(t, nn.Parameter):
+                                real = nn.Parameter(real, requires_grad=t.requires_grad)
+                            fresh[id(t)] = (t, real)
+                        table[name] = fresh[id(t)][1]
+        for m in modules:
+            if param_init_fn is not None:
+                param_init_fn(m)
+            elif hasattr(m, "reset_parameters"):
+                m.reset_parameters()
+        if broadcast:  # as sync_module_states does for a model built eagerly: rank 0's values everywhere
+            _broadcast([real for _, real in fresh.values()])
+    # --8<-- [end:materialize]
 
     # --8<-- [start:flatten_own]
     def _flatten_own_parameters(self) -> list[FlatParameter]:
@@ -488,6 +522,12 @@ def _refuse_flattened_params(optimizer, args, kwargs):
 
 register_optimizer_step_pre_hook(_refuse_flattened_params)
 # --8<-- [end:refuse]
+
+
+def _broadcast(tensors) -> None:
+    with torch.no_grad():
+        for t in tensors:
+            comm.broadcast(t, src=0)
 
 
 def _names_without_wrappers(module: nn.Module, prefix: str = ""):

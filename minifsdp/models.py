@@ -6,6 +6,7 @@ same global batch on every rank, and each rank takes its own slice of it.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +42,31 @@ class CausalSelfAttention(nn.Module):
         return self.proj(y.transpose(1, 2).reshape(B, T, C))
 
 
+# --8<-- [start:init_weights]
+def init_weights(m: nn.Module) -> None:
+    """GPT-2's init of the parameters directly in `m`: small weights (so the first logits are near zero and
+    the loss starts near ln(vocab)), zero biases, LayerNorms at one and zero.
+
+    Each tensor draws from a generator seeded by (model seed, module name), not from torch's global
+    generator: its values then depend on nothing else -- not on the order modules are initialised in,
+    nor on what else was initialised before. That is what lets FSDP build the model on the meta device
+    and initialise it unit by unit, innermost units first, and still get exactly the bits of an eager
+    TinyGPT(seed=...)."""
+    name = getattr(m, "_init_name", None)
+    if name is None:  # not a TinyGPT module, or one whose weight is another's
+        return
+    with torch.no_grad():
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            key = hashlib.sha256(f"{m._init_seed}/{name}".encode()).digest()
+            g = torch.Generator(m.weight.device).manual_seed(int.from_bytes(key[:8], "little") >> 1)
+            m.weight.normal_(mean=0.0, std=0.02, generator=g)
+        if isinstance(m, nn.Linear) and m.bias is not None:
+            m.bias.zero_()
+        if isinstance(m, nn.LayerNorm):
+            m.reset_parameters()
+# --8<-- [end:init_weights]
+
+
 class Block(nn.Module):
     """One transformer block: the natural unit to shard, prefetch and checkpoint."""
 
@@ -58,26 +84,26 @@ class Block(nn.Module):
 
 
 class TinyGPT(nn.Module):
+    """A small GPT-2. Built on the meta device (`with torch.device("meta"): TinyGPT()`) it holds no memory
+    until FSDP materialises it unit by unit, each unit with `init_weights` (chapter 9), to the same bits."""
+
     def __init__(self, config: GPTConfig | None = None, seed: int = 0):
         super().__init__()
         self.config = c = config or GPTConfig()
-        torch.manual_seed(seed)
+        torch.manual_seed(seed)  # for whoever draws from torch's generator next (init_weights does not)
         self.wte = nn.Embedding(c.vocab_size, c.n_embd)
         self.wpe = nn.Embedding(c.block_size, c.n_embd)
         self.blocks = nn.ModuleList(Block(c) for _ in range(c.n_layer))
         self.ln_f = nn.LayerNorm(c.n_embd)
         self.lm_head = nn.Linear(c.n_embd, c.vocab_size, bias=False)
-        self.apply(self._init_weights)
+        for name, m in self.named_modules():  # what init_weights needs to know, kept on the module itself
+            m._init_name, m._init_seed = name, seed
         if c.tie_weights:
             self.lm_head.weight = self.wte.weight
-
-    @staticmethod
-    def _init_weights(m):
-        # GPT-2's init: small weights, so the first logits are near zero and the loss starts near ln(vocab)
-        if isinstance(m, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(m.weight, mean=0.0, std=0.02)
-        if isinstance(m, nn.Linear) and m.bias is not None:
-            nn.init.zeros_(m.bias)
+            self.lm_head._init_name = None  # its weight is wte's, initialised as wte's
+        if not any(p.is_meta for p in self.parameters()):
+            for m in self.modules():
+                init_weights(m)
 
     def forward(self, idx, targets=None):
         T = idx.shape[1]

@@ -1,6 +1,8 @@
 """Chapter 4: ZeRO-2 with ShardedDataParallel + OSS, proven against torch's DDP with a local optimizer.
 
-Tolerance: bit-exact at N = 1 and 2. At N = 3 and 4, 1e-6 absolute after 10 steps (measured: ~1e-7):
+Tolerance: bit-exact at N = 1 and 2. At N = 3 and 4, after 10 steps, 1e-6 absolute with SGD (measured:
+~1e-7) and 1e-5 with AdamW (measured: up to 3.5e-6; AdamW divides by the root of its second moment, so
+where a gradient is near zero a last-bit difference moves the step much more). The cause:
 the buckets are grouped by owner, so a gradient sits at another offset of another flat buffer than in
 DDP's buckets, and gloo splits a buffer into chunks that are summed starting from different ranks; so
 the N contributions to some element are added in a different order. Float addition is not associative:
@@ -21,6 +23,7 @@ MODELS = ("gpt", "toy")
 OPTIMS = ("sgd", "adamw")
 STEPS = 10
 ATOL = {1: 0.0, 2: 0.0, 3: 1e-6, 4: 1e-6}
+ATOL_ADAMW = {1: 0.0, 2: 0.0, 3: 1e-5, 4: 1e-5}
 
 
 def grads_after_backward(model_name="gpt"):
@@ -111,7 +114,7 @@ def test_parity_with_torch_ddp(ranks, n, model, opt):
     for r in range(n):
         res = ranks[n][r]["parity"]
         diff = max_abs_diff(res[(model, opt, "sdp")]["params"], res[(model, opt, "torch_ddp")]["params"])
-        assert diff <= ATOL[n]
+        assert diff <= (ATOL_ADAMW if opt == "adamw" else ATOL)[n]
         # ...and all replicas are identical: the owners' broadcast made them so
         assert max_abs_diff(res[(model, opt, "sdp")]["params"], ranks[n][0]["parity"][(model, opt, "sdp")]["params"]) == 0.0
 

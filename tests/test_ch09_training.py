@@ -1,5 +1,6 @@
 """Chapter 9 (part): gradient accumulation with and without no_sync(), clipping on sharded gradients, for
-FSDP and for the strategies of chapters 1, 3 and 4; activation checkpointing composed with FSDP.
+FSDP and for the strategies of chapters 1, 3 and 4; activation checkpointing composed with FSDP; deferred
+initialisation on the meta device.
 
 References: torch's DDP (with its own no_sync and torch.nn.utils.clip_grad_norm_) and one process on the
 global batch. Tolerances:
@@ -22,7 +23,7 @@ import torch.distributed as dist
 from minifsdp import MemoryMeter, comm, launch
 from minifsdp.checkpointing import checkpoint_module
 from minifsdp.fsdp import FullyShardedDataParallel as FSDP, ModuleWrapPolicy
-from minifsdp.models import Block, GPTConfig, TinyGPT
+from minifsdp.models import Block, GPTConfig, TinyGPT, init_weights
 from minifsdp.state_dict import get_full_state_dict
 from minifsdp.train import OPTIMIZERS, STRATEGIES, batch, build_model, loss_of, max_abs_diff
 
@@ -177,6 +178,40 @@ def one_blocks_activations():
     return {"kept": kept, "output": y.numel() * y.element_size()}
 
 
+# -- deferred initialisation ----------------------------------------------------------------------------------
+DEFERRED = GPTConfig(n_layer=8)
+
+
+def deferred_init():
+    """The same GPT built eagerly and on the meta device (each rank with its own seed: sync_module_states
+    must make rank 0's the truth), equal before and after training; the memory deferred init needed."""
+    n, r = dist.get_world_size(), dist.get_rank()
+    out = {}
+    for how in ("eager", "deferred"):
+        if how == "eager":
+            net = TinyGPT(DEFERRED, seed=r)
+        else:
+            with torch.device("meta"):
+                net = TinyGPT(DEFERRED, seed=r)
+        meter = MemoryMeter()
+        with meter:
+            model = FSDP(net, auto_wrap_policy=ModuleWrapPolicy({Block}),
+                         param_init_fn=init_weights if how == "deferred" else None)
+        built = model.full_state_dict()
+        opt = OPTIMIZERS["adamw"](model.parameters())
+        for step in range(3):
+            loss_of("gpt", model, batch("gpt", step, 12, r, n, "cpu", DEFERRED)).backward()
+            opt.step()
+            opt.zero_grad()
+        units = [(4 * sum(f.numel for f in u.flat_params), 4 * sum(f.shard_numel for f in u.flat_params) * n,
+                  4 * sum(f.shard_numel for f in u.flat_params)) for u in model.units()]
+        out[how] = {"built": built, "trained": model.full_state_dict(), "peak": meter.peak, "units": units}
+    with torch.device("meta"):  # no param_init_fn: each module's reset_parameters(), torch's own init
+        plain = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.LayerNorm(7), torch.nn.Linear(7, 3))
+    out["reset_parameters"] = FSDP(plain, auto_wrap_policy=ModuleWrapPolicy({torch.nn.Linear})).full_state_dict()
+    return out
+
+
 def chapter_cases():
     out = {}
     for opt in ("sgd", "adamw"):
@@ -195,6 +230,7 @@ def chapter_cases():
         out[("ckpt_ddp", order)] = checkpointed(order, kind="ours_ddp")
     out["ckpt_memory"] = {c: checkpoint_memory(c) for c in (False, True)}
     out["block"] = one_blocks_activations()
+    out["deferred"] = deferred_init()
     return out
 
 
@@ -299,3 +335,38 @@ def test_checkpointing_frees_the_blocks_activations(ranks, n):
     per_block = block["kept"] - block["output"]
     assert plain["kept"] - ckpt["kept"] == DEEP.n_layer * per_block
     assert 0 < plain["peak"] - ckpt["peak"] <= DEEP.n_layer * per_block
+
+
+# -- deferred initialisation ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("n", WORLD_SIZES)
+def test_meta_device_init_equals_eager_init(ranks, n):
+    """Bit-exact, because every tensor's init draws from a generator seeded by (seed, module name), not
+    from torch's global one: the order units are initialised in does not matter (minifsdp/models.py)."""
+    for r in range(n):
+        eager, deferred = ranks[n][r]["deferred"]["eager"], ranks[n][r]["deferred"]["deferred"]
+        assert max_abs_diff(deferred["built"], eager["built"]) == 0.0
+        assert max_abs_diff(deferred["trained"], eager["trained"]) == 0.0
+        assert max_abs_diff(deferred["built"], ranks[n][0]["deferred"]["deferred"]["built"]) == 0.0
+
+
+@pytest.mark.parametrize("n", WORLD_SIZES)
+def test_deferred_init_holds_one_unit_in_full_at_a_time(ranks, n):
+    """Units are built innermost first; while unit k is built, a rank holds the shards of the units before
+    it, unit k's parameters, its padded flat copy, and its shard: the peak is the largest such sum, exactly."""
+    d = ranks[n][0]["deferred"]["deferred"]
+    model, done = 0, 0
+    for params, padded, shard in d["units"][1:] + d["units"][:1]:  # blocks, then the root (listed first)
+        model = max(model, done + params + padded + shard)
+        done += shard
+    assert d["peak"] == model
+    psi_bytes = sum(params for params, _, _ in d["units"])
+    if n == 4:
+        assert d["peak"] < psi_bytes / 2  # a model twice one rank's memory could be built
+
+
+@pytest.mark.parametrize("n", WORLD_SIZES)
+def test_deferred_init_defaults_to_reset_parameters_and_agrees_across_ranks(ranks, n):
+    sd = ranks[n][0]["deferred"]["reset_parameters"]
+    assert all(torch.isfinite(v).all() for v in sd.values()) and sd["1.weight"].eq(1).all()
+    for r in range(n):
+        assert max_abs_diff(ranks[n][r]["deferred"]["reset_parameters"], sd) == 0.0
