@@ -7,6 +7,7 @@
     python -m minifsdp phases [--world-sizes 1 2 3 4]                       chapter 6: memory at each phase
     python -m minifsdp timeline [--world-size 2]                           chapter 7: one step per prefetch mode
     python -m minifsdp prefetch-memory [--world-sizes 2 4]                  chapter 7: what prefetching costs
+    python -m minifsdp options [--world-size 2]                             chapter 9: accumulation, checkpointing, init
     python -m minifsdp demo [--world-size 3]                                all-reduce = reduce-scatter + all-gather
     python -m minifsdp student OUT_DIR                                      a student copy, solutions removed
     python -m minifsdp grade [PATH]                                         run each chapter's tests, print a score
@@ -67,6 +68,10 @@ def main(argv: list[str] | None = None) -> int:
     pm.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
     pm.add_argument("--markdown", default=None)
 
+    opts = sub.add_parser("options", help="chapter 9: what accumulation, checkpointing and deferred init cost")
+    opts.add_argument("--world-size", type=int, default=2)
+    opts.add_argument("--markdown", default=None)
+
     demo = sub.add_parser("demo", help="all-reduce built from reduce-scatter + all-gather, checked")
     demo.add_argument("--world-size", type=int, default=3)
 
@@ -101,6 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     elif args.command == "prefetch-memory":
         from minifsdp.overlap import run_prefetch_memory_report
         run_prefetch_memory_report(world_sizes=args.world_sizes, markdown=args.markdown)
+    elif args.command == "options":
+        from minifsdp.options import run_options_report
+        run_options_report(world_size=args.world_size, markdown=args.markdown)
     elif args.command == "demo":
         from minifsdp.ddp import demo_all_reduce_by_parts
         from minifsdp.launch import launch

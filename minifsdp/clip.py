@@ -23,6 +23,7 @@ from minifsdp import comm
 def clip_sharded_grad_norm_(grads: list[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
     """Clip gradients sliced disjointly across ranks as if they were one; returns the total norm (before)."""
     p = float(norm_type)
+    # BEGIN EXERCISE 9.2: the norm of the whole gradient from each rank's partial sum (or max)
     norms = torch.stack([torch.linalg.vector_norm(g, p) for g in grads]) if grads else torch.zeros(1)
     if p == float("inf"):
         total = norms.max().clone()
@@ -31,6 +32,7 @@ def clip_sharded_grad_norm_(grads: list[torch.Tensor], max_norm: float, norm_typ
         total = norms.pow(p).sum()
         comm.all_reduce(total, tag="clip_grad_norm")
         total = total.pow(1.0 / p)
+    # END EXERCISE
     coef = (max_norm / (total + 1e-6)).clamp(max=1.0)  # torch's formula, so the results agree
     for g in grads:
         g.mul_(coef)

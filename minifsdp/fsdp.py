@@ -355,8 +355,9 @@ class FullyShardedDataParallel(nn.Module):
         timeline.compute_end(f"backward {self.unit_name}")
         if self.backward_prefetch == BackwardPrefetch.BACKWARD_POST:  # ahead of our reduce-scatter
             self._prefetch(self._root_unit._next("backward", self))
-        if self._accumulate_unsharded(flat):  # inside no_sync() (chapter 9): nothing is sent
-            return
+        if not self._sync_gradients or flat.unsharded_grad is not None:  # no_sync() (chapter 9) in play
+            if self._accumulate_unsharded(flat):  # inside the block: nothing is sent
+                return
         # BEGIN EXERCISE 6.1: reduce-scatter the flat gradient (async), queue it for the root, reshard
         full_grad = flat.param.grad
         flat.param.grad = None
@@ -417,6 +418,7 @@ class FullyShardedDataParallel(nn.Module):
     def _accumulate_unsharded(self, flat: FlatParameter) -> bool:
         """Inside no_sync(): keep the full gradient and reshard (True). Outside: fold in what no_sync kept."""
         full_grad = flat.param.grad
+        # BEGIN EXERCISE 9.1: no_sync: keep (and add up) the full gradient; after it, fold it in
         if not self._sync_gradients:
             flat.param.grad = None
             flat.unsharded_grad = full_grad if flat.unsharded_grad is None else flat.unsharded_grad.add_(full_grad)
@@ -426,6 +428,7 @@ class FullyShardedDataParallel(nn.Module):
             full_grad.add_(flat.unsharded_grad)  # the same sum DDP's no_sync makes, before averaging
             flat.unsharded_grad = None
         return False
+        # END EXERCISE
     # --8<-- [end:no_sync]
 
     # --8<-- [start:clip]

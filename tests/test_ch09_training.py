@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from minifsdp import MemoryMeter, comm, launch
 from minifsdp.checkpointing import checkpoint_module
+from minifsdp.options import CONFIG, checkpointing
 from minifsdp.fsdp import FullyShardedDataParallel as FSDP, ModuleWrapPolicy
 from minifsdp.models import Block, GPTConfig, TinyGPT, init_weights
 from minifsdp.state_dict import get_full_state_dict
@@ -118,7 +119,7 @@ def no_sync_memory():
 
 
 # -- activation checkpointing ------------------------------------------------------------------------------
-DEEP = GPTConfig(n_layer=4)
+DEEP = CONFIG  # four blocks, as in the report of minifsdp/options.py
 
 
 def checkpointed(order, reentrant=False, kind="fsdp"):
@@ -139,29 +140,6 @@ def checkpointed(order, reentrant=False, kind="fsdp"):
         opt.step()
         opt.zero_grad()
     return _params(kind, model, net), dict(counter.calls)
-
-
-def checkpoint_memory(ckpt):
-    """Live bytes forward leaves for backward, and the step's peak, with or without checkpointed blocks."""
-    n, r = dist.get_world_size(), dist.get_rank()
-    net = TinyGPT(DEEP)
-    if ckpt:
-        for block in net.blocks:
-            checkpoint_module(block)
-    model = FSDP(net, auto_wrap_policy=ModuleWrapPolicy({Block}))
-    opt = OPTIMIZERS["adamw"](model.parameters())
-    meter = MemoryMeter(model, opt)
-    for step in range(2):
-        with meter if step == 1 else contextlib.nullcontext():
-            meter.reset_peak()
-            before = meter.live()["total"]
-            loss = loss_of("gpt", model, batch("gpt", step, 12, r, n, "cpu", DEEP))
-            kept = meter.live()["total"] - before
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-    meter.close()
-    return {"kept": kept, "peak": meter.peak}
 
 
 def one_blocks_activations():
@@ -228,7 +206,7 @@ def chapter_cases():
         out[("ckpt", order, reentrant)] = checkpointed(order, reentrant)
     for order in ("none", "fsdp(ckpt)"):  # DDP: the checkpoint needs no help from the strategy
         out[("ckpt_ddp", order)] = checkpointed(order, kind="ours_ddp")
-    out["ckpt_memory"] = {c: checkpoint_memory(c) for c in (False, True)}
+    out["ckpt_memory"] = checkpointing()  # the report's own measurement (python -m minifsdp options)
     out["block"] = one_blocks_activations()
     out["deferred"] = deferred_init()
     return out
@@ -330,7 +308,7 @@ def test_checkpointing_frees_the_blocks_activations(ranks, n):
     """After forward, exactly each block's activations are gone (all but its output, which the next block
     or the checkpoint keeps as its input), as measured on one block alone. The peak falls by less: backward
     recomputes one block at a time, and the peak need not come where every block's activations are alive."""
-    plain, ckpt = ranks[n][0]["ckpt_memory"][False], ranks[n][0]["ckpt_memory"][True]
+    plain, ckpt = (ranks[n][0]["ckpt_memory"][k] for k in ("none", "FSDP(checkpoint(block))"))
     block = ranks[n][0]["block"]
     per_block = block["kept"] - block["output"]
     assert plain["kept"] - ckpt["kept"] == DEEP.n_layer * per_block
