@@ -95,8 +95,6 @@ class MemoryMeter:
     # -- what we track -------------------------------------------------------------------------------
     # --8<-- [start:track]
     def _track(self, storage, category: str) -> None:
-        if storage.device.type == "meta":  # a shape without memory (deferred init, chapter 9)
-            return
         key = id(storage)
         entry = self._live.get(key)
         if entry is None:

@@ -85,13 +85,14 @@ def deferred_init() -> dict:
     """Peak bytes while FSDP builds the model: from full weights, or from the meta device."""
     out = {}
     for how in ("eager", "deferred"):
+        if how == "deferred":  # outside the meter: it counts meta tensors as the bytes they stand for
+            with torch.device("meta"):
+                net = TinyGPT(CONFIG)
         meter = MemoryMeter()
-        with meter:  # the eager model's weights are made inside, the meta one's shapes cost nothing
+        with meter:  # the eager model's weights are made inside
             if how == "eager":
                 model = _fsdp(TinyGPT(CONFIG))
             else:
-                with torch.device("meta"):
-                    net = TinyGPT(CONFIG)
                 model = _fsdp(net, param_init_fn=init_weights)
         out[how] = {"peak": meter.peak, "padded": _padded_bytes(model),
                     "unit": max(4 * f.shard_numel * comm.world_size() for u in model.units() for f in u.flat_params)}
