@@ -36,9 +36,7 @@ rank that computes a loss.
 
 from __future__ import annotations
 
-import collections
 import contextlib
-import enum
 
 import torch
 import torch.nn as nn
@@ -46,43 +44,15 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._pytree import tree_leaves
 
 from minifsdp import comm, timeline
-from minifsdp.clip import clip_sharded_grad_norm_
 from minifsdp.flat_param import FlatParameter, sync_all_gathers
 from minifsdp.launch import current_device
+from minifsdp.fsdp_training import TrainingOptions, _broadcast
+from minifsdp.prefetch import BACKWARD_POST, BACKWARD_PRE, AllGatherLimiter, BackwardPrefetch
+
+__all__ = ["FullyShardedDataParallel", "FSDP", "ModuleWrapPolicy", "SizeBasedWrapPolicy", "BackwardPrefetch",
+           "BACKWARD_PRE", "BACKWARD_POST", "AllGatherLimiter"]
 
 
-class BackwardPrefetch(enum.Enum):
-    """When a unit's backward starts the all-gather of the unit whose backward comes next (None: never)."""
-    BACKWARD_PRE = "pre"    # before this unit's backward compute
-    BACKWARD_POST = "post"  # after it, before this unit's reduce-scatter
-
-
-# --8<-- [start:limiter]
-class AllGatherLimiter:
-    """limit_all_gathers=True: the CPU may run at most `limit` frees ahead of the device.
-
-    On a GPU, reshard() frees a buffer in the CPU's program order, but the device gets to that point only
-    when the compute queued before it is done, and the allocator keeps the memory until then (reshard's
-    record_stream). A CPU thread running far ahead would start -- and allocate a new full buffer for --
-    the all-gather of every unit before the device has freed any. So each free is marked with a CUDA
-    event, and before a new all-gather the CPU waits for the oldest outstanding free once `limit` are
-    pending. On the CPU, compute is synchronous: a free is done when reshard() returns,
-    nothing is ever pending, and the limiter never waits.
-    """
-
-    def __init__(self, limit: int = 2):
-        self.limit, self.pending = limit, collections.deque()
-
-    def freed(self, buffer: torch.Tensor) -> None:
-        if buffer.is_cuda:
-            event = torch.cuda.Event()
-            event.record()
-            self.pending.append(event)
-
-    def before_all_gather(self) -> None:
-        while len(self.pending) >= self.limit:
-            self.pending.popleft().synchronize()
-# --8<-- [end:limiter]
 
 
 # --8<-- [start:policies]
@@ -146,7 +116,7 @@ def _wrap_children(module: nn.Module, policy, uses: dict, prefix: str = "", **kw
 # --8<-- [end:wrap]
 
 
-class FullyShardedDataParallel(nn.Module):
+class FullyShardedDataParallel(TrainingOptions, nn.Module):
     """ZeRO-3: every rank keeps 1/N of the parameters, gradients and optimizer state (16Ψ/N with AdamW).
 
     reshard_after_forward: free the full parameters after forward (True: ZeRO-3, all-gather them again
@@ -220,32 +190,6 @@ class FullyShardedDataParallel(nn.Module):
         self._order_recorded = False                   # ... recorded during the first step
     # --8<-- [end:init]
 
-    # --8<-- [start:materialize]
-    def _materialize_own(self, param_init_fn, device: torch.device, broadcast: bool) -> None:
-        """Deferred init: give memory to the meta parameters and buffers this unit owns, and initialise them
-        with param_init_fn(module) (default: module.reset_parameters()) for each module it owns. Units are
-        built innermost first and each shards its parameters right after, so a rank never holds more than
-        one unit in full: a model larger than one rank's memory can be built."""
-        modules = list(_modules_not_in_units(self.module))
-        fresh = {}  # id(meta tensor) -> (meta tensor, its real replacement): a tied one is replaced once
-        for m in modules:
-            for table in (m._parameters, m._buffers):
-                for name, t in table.items():
-                    if t is not None and t.is_meta:
-                        if id(t) not in fresh:
-                            real = torch.empty_like(t, device=device)
-                            if isinstance(t, nn.Parameter):
-                                real = nn.Parameter(real, requires_grad=t.requires_grad)
-                            fresh[id(t)] = (t, real)
-                        table[name] = fresh[id(t)][1]
-        for m in modules:
-            if param_init_fn is not None:
-                param_init_fn(m)
-            elif hasattr(m, "reset_parameters"):
-                m.reset_parameters()
-        if broadcast:  # as sync_module_states does for a model built eagerly: rank 0's values everywhere
-            _broadcast([real for _, real in fresh.values()])
-    # --8<-- [end:materialize]
 
     # --8<-- [start:flatten_own]
     def _flatten_own_parameters(self) -> list[FlatParameter]:
@@ -397,51 +341,6 @@ class FullyShardedDataParallel(nn.Module):
         self._callback_queued = False
     # --8<-- [end:finish_backward]
 
-    # -- chapter 9: accumulation and clipping -------------------------------------------------------------------
-    # --8<-- [start:no_sync]
-    @contextlib.contextmanager
-    def no_sync(self):
-        """Backward passes inside the block send nothing: every unit keeps its full flat gradient and adds
-        the next one to it. The first backward after the block adds them in and reduce-scatters once. The
-        FSDP paper's trade: one reduce-scatter per unit instead of one per micro-batch, for 4Ψ of
-        unsharded gradients (DDP's amount) held between the micro-batches."""
-        units = self.units()
-        before = [u._sync_gradients for u in units]
-        for u in units:
-            u._sync_gradients = False
-        try:
-            yield
-        finally:
-            for u, b in zip(units, before):
-                u._sync_gradients = b
-
-    def _accumulate_unsharded(self, flat: FlatParameter) -> bool:
-        """Inside no_sync(): keep the full gradient and reshard (True). Outside: fold in what no_sync kept."""
-        full_grad = flat.param.grad
-        # BEGIN EXERCISE 9.1: no_sync: keep (and add up) the full gradient; after it, fold it in
-        if not self._sync_gradients:
-            flat.param.grad = None
-            flat.unsharded_grad = full_grad if flat.unsharded_grad is None else flat.unsharded_grad.add_(full_grad)
-            flat.reshard()
-            return True
-        if flat.unsharded_grad is not None:
-            full_grad.add_(flat.unsharded_grad)  # the same sum DDP's no_sync makes, before averaging
-            flat.unsharded_grad = None
-        return False
-        # END EXERCISE
-    # --8<-- [end:no_sync]
-
-    # --8<-- [start:clip]
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Scale every gradient so that the norm of the whole model's gradient is at most `max_norm`, as
-        torch.nn.utils.clip_grad_norm_ would on the full gradients; returns that norm (before clipping).
-        Each rank holds a disjoint shard of every flat gradient: see minifsdp/clip.py."""
-        if not self.is_root:
-            raise RuntimeError("clip_grad_norm_() clips the whole model: call it on the root unit")
-        grads = [flat.param.grad for unit in self.units() for flat in unit.flat_params
-                 if flat.param.grad is not None]
-        return clip_sharded_grad_norm_(grads, max_norm, norm_type)
-    # --8<-- [end:clip]
 
     # -- utilities ---------------------------------------------------------------------------------------------
     # --8<-- [start:summon]
@@ -508,7 +407,6 @@ class FullyShardedDataParallel(nn.Module):
 
 
 FSDP = FullyShardedDataParallel
-BACKWARD_PRE, BACKWARD_POST = BackwardPrefetch.BACKWARD_PRE, BackwardPrefetch.BACKWARD_POST
 
 
 # --8<-- [start:refuse]
@@ -527,10 +425,6 @@ register_optimizer_step_pre_hook(_refuse_flattened_params)
 # --8<-- [end:refuse]
 
 
-def _broadcast(tensors) -> None:
-    with torch.no_grad():
-        for t in tensors:
-            comm.broadcast(t, src=0)
 
 
 def _names_without_wrappers(module: nn.Module, prefix: str = ""):
