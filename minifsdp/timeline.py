@@ -147,13 +147,19 @@ def _subtract(interval, holes):
     return pieces
 
 
-def _union_length(intervals) -> float:
-    total, end = 0.0, float("-inf")
+def _merge(intervals) -> list[tuple[float, float]]:
+    """The union of intervals, as sorted disjoint intervals."""
+    merged = []
     for s, e in sorted(intervals):
-        if e > end:
-            total += e - max(s, end)
-            end = e
-    return total
+        if merged and s <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], e))
+        else:
+            merged.append((s, e))
+    return merged
+
+
+def _union_length(intervals) -> float:
+    return sum(e - s for s, e in _merge(intervals))
 
 
 # --8<-- [start:hidden_fraction]
@@ -173,16 +179,6 @@ def hidden_fraction(spans: list[Span]) -> float:
     return 1.0 - exposed / busy
     # END EXERCISE
 # --8<-- [end:hidden_fraction]
-
-
-def _merge(intervals):
-    merged = []
-    for s, e in sorted(intervals):
-        if merged and s <= merged[-1][1]:
-            merged[-1] = (merged[-1][0], max(merged[-1][1], e))
-        else:
-            merged.append((s, e))
-    return merged
 
 
 def lane_time(spans: list[Span], *lanes: str) -> float:
