@@ -8,40 +8,30 @@ on the same model, data and optimizer. Reports the median step time of each and 
 
 import argparse
 import statistics
-import time
 
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-from minifsdp import DistributedDataParallel, GPTConfig, MemoryMeter, TinyGPT, gpt_batch, launch
+from interleave import rank_batch, time_interleaved
+from minifsdp import DistributedDataParallel, GPTConfig, MemoryMeter, TinyGPT, launch
 
 
 def bench(steps, config, batch_per_rank):
-    rank, n = dist.get_rank(), dist.get_world_size()
     runs = {}
     for name, wrap in (("minifsdp", DistributedDataParallel), ("torch", TorchDDP)):
         model = wrap(TinyGPT(config))
-        runs[name] = (model, torch.optim.AdamW(model.parameters(), lr=1e-3), [])
-    for step in range(steps):
-        x, y = gpt_batch(config, step, batch_per_rank * n)
-        x, y = x[rank::n], y[rank::n]
-        for name, (model, opt, times) in runs.items():
-            dist.barrier()
-            t0 = time.perf_counter()
-            model(x, y).backward()
-            opt.step()
-            opt.zero_grad()
-            times.append(time.perf_counter() - t0)
+        runs[name] = (model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    times = time_interleaved(runs, steps, config, batch_per_rank)
+    x, y = rank_batch(config, steps - 1, batch_per_rank)
     peaks = {}
-    for name, (model, opt, _) in runs.items():  # one more step each, metered (the meter slows steps down)
+    for name, (model, opt) in runs.items():  # one more step each, metered (the meter slows steps down)
         meter = MemoryMeter(model.module, opt)
         with meter:
             model(x, y).backward()
             opt.step()
         peaks[name] = meter.peak
         opt.zero_grad()
-    return {name: statistics.median(times[2:]) for name, (_, _, times) in runs.items()}, peaks
+    return {name: statistics.median(t[2:]) for name, t in times.items()}, peaks
 
 
 def main():

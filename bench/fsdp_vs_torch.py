@@ -44,7 +44,8 @@ from torch.distributed.fsdp.wrap import ModuleWrapPolicy as TorchModuleWrapPolic
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-from minifsdp import GPTConfig, MemoryMeter, ModuleWrapPolicy, TinyGPT, gpt_batch, launch
+from interleave import rank_batch, time_interleaved
+from minifsdp import GPTConfig, MemoryMeter, ModuleWrapPolicy, TinyGPT, launch
 from minifsdp.fsdp import BACKWARD_PRE, FullyShardedDataParallel
 from minifsdp.models import Block
 from minifsdp.train import max_abs_diff
@@ -112,22 +113,11 @@ def full_state(name, model):
 
 
 def bench(names, steps, warmup, config, batch_per_rank):
-    rank, n = dist.get_rank(), dist.get_world_size()
-    runs = {name: (*build(name, config), []) for name in names}
-    for step in range(warmup + steps):
-        x, y = gpt_batch(config, step, batch_per_rank * n)
-        x, y = x[rank::n], y[rank::n]
-        for name, (model, opt, times) in runs.items():
-            dist.barrier()
-            t0 = time.perf_counter()
-            model(x, y).backward()
-            opt.step()
-            opt.zero_grad()
-            times.append(time.perf_counter() - t0)
+    runs = {name: build(name, config) for name in names}
+    times = time_interleaved(runs, warmup + steps, config, batch_per_rank)
     peaks, split = {}, {}
-    x, y = gpt_batch(config, warmup + steps, batch_per_rank * n)
-    x, y = x[rank::n], y[rank::n]
-    for name, (model, opt, _) in runs.items():  # one more step each, metered (the meter slows steps down)
+    x, y = rank_batch(config, warmup + steps, batch_per_rank)
+    for name, (model, opt) in runs.items():  # one more step each, metered (the meter slows steps down)
         dist.barrier()
         meter = MemoryMeter(model.module if name == "ddp" else model, opt)
         meter.watch(unsharded_buffers(name, model), "params")
@@ -137,8 +127,8 @@ def bench(names, steps, warmup, config, batch_per_rank):
         meter.close()
         opt.zero_grad()
         peaks[name], split[name] = meter.peak, meter.peak_by_category
-    states = {name: full_state(name, model) for name, (model, _, _) in runs.items()}
-    return {"times": {name: statistics.median(times[warmup:]) for name, (_, _, times) in runs.items()},
+    states = {name: full_state(name, model) for name, (model, _) in runs.items()}
+    return {"times": {name: statistics.median(t[warmup:]) for name, t in times.items()},
             "peaks": peaks, "split": split,
             "max_diff": {name: max_abs_diff(states[name], states["ddp"]) for name in names if name != "ddp"}}
 

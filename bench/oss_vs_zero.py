@@ -12,14 +12,13 @@ the ratios minifsdp / torch, and the largest difference between the two final mo
 
 import argparse
 import statistics
-import time
 
 import torch
-import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-from minifsdp import OSS, GPTConfig, MemoryMeter, TinyGPT, gpt_batch, launch
+from interleave import rank_batch, time_interleaved
+from minifsdp import OSS, GPTConfig, MemoryMeter, TinyGPT, launch
 from minifsdp.meter import optimizer_tensors
 from minifsdp.train import max_abs_diff
 
@@ -33,23 +32,14 @@ def sharded_optimizer(name, params):
 
 
 def bench(steps, config, batch_per_rank):
-    rank, n = dist.get_rank(), dist.get_world_size()
     runs = {}
     for name in ("minifsdp", "torch"):
         model = TorchDDP(TinyGPT(config))  # the same seed: both start from the same weights
-        runs[name] = (model, sharded_optimizer(name, model.parameters()), [])
-    for step in range(steps):
-        x, y = gpt_batch(config, step, batch_per_rank * n)
-        x, y = x[rank::n], y[rank::n]
-        for name, (model, opt, times) in runs.items():
-            dist.barrier()
-            t0 = time.perf_counter()
-            model(x, y).backward()
-            opt.step()
-            opt.zero_grad()
-            times.append(time.perf_counter() - t0)
+        runs[name] = (model, sharded_optimizer(name, model.parameters()))
+    times = time_interleaved(runs, steps, config, batch_per_rank)
+    x, y = rank_batch(config, steps - 1, batch_per_rank)
     peaks, state = {}, {}
-    for name, (model, opt, _) in runs.items():  # one more step each, metered (the meter slows steps down)
+    for name, (model, opt) in runs.items():  # one more step each, metered (the meter slows steps down)
         # Both keep the optimizer over this rank's share as `.optim`: the state this rank really holds.
         meter = MemoryMeter(model.module, opt.optim)
         with meter:
@@ -60,8 +50,8 @@ def bench(steps, config, batch_per_rank):
         opt.zero_grad()
         state[name] = sum(t.numel() * t.element_size() for t in optimizer_tensors(opt.optim))
     params = {name: {k: v.detach().clone() for k, v in model.module.state_dict().items()}
-              for name, (model, _, _) in runs.items()}
-    medians = {name: statistics.median(times[2:] or times) for name, (_, _, times) in runs.items()}
+              for name, (model, _) in runs.items()}
+    medians = {name: statistics.median(t[2:] or t) for name, t in times.items()}
     return {"times": medians, "peaks": peaks, "state": state,
             "max_diff": max_abs_diff(params["minifsdp"], params["torch"])}
 
