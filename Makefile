@@ -23,6 +23,7 @@ figures:          ## regenerate every figure and table the chapters include
 	$(PY) -m minifsdp timeline --world-size 2 --plot chapters/figures/timelines.png --markdown chapters/generated/timelines.md
 	$(PY) -m minifsdp prefetch-memory --world-sizes 2 4 --markdown chapters/generated/prefetch_memory.md
 	$(PY) bench/fsdp_vs_torch.py > chapters/generated/fsdp_bench.md
+	$(PY) -m minifsdp precision --world-size 2 --markdown chapters/generated/precision.md --plot chapters/figures/precision_loss.png
 	$(PY) -m minifsdp options --world-size 2 --markdown chapters/generated/training_options.md
 	grep -cvE '^\s*(#|$$)' minifsdp/ddp.py minifsdp/oss.py minifsdp/sdp.py minifsdp/flat.py > chapters/generated/loc.txt
 

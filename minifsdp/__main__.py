@@ -7,6 +7,7 @@
     python -m minifsdp phases [--world-sizes 1 2 3 4]                       chapter 6: memory at each phase
     python -m minifsdp timeline [--world-size 2]                           chapter 7: one step per prefetch mode
     python -m minifsdp prefetch-memory [--world-sizes 2 4]                  chapter 7: what prefetching costs
+    python -m minifsdp precision [--world-size 2]                           chapter 8: memory and bytes per precision
     python -m minifsdp options [--world-size 2]                             chapter 9: accumulation, checkpointing, init
     python -m minifsdp demo [--world-size 3]                                all-reduce = reduce-scatter + all-gather
     python -m minifsdp student OUT_DIR                                      a student copy, solutions removed
@@ -68,6 +69,12 @@ def main(argv: list[str] | None = None) -> int:
     pm.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
     pm.add_argument("--markdown", default=None)
 
+    prec = sub.add_parser("precision", help="chapter 8: memory and bytes across precisions and offload; loss curves")
+    prec.add_argument("--world-size", type=int, default=2)
+    prec.add_argument("--curve-steps", type=int, default=300)
+    prec.add_argument("--markdown", default=None)
+    prec.add_argument("--plot", default=None)
+
     opts = sub.add_parser("options", help="chapter 9: what accumulation, checkpointing and deferred init cost")
     opts.add_argument("--world-size", type=int, default=2)
     opts.add_argument("--markdown", default=None)
@@ -106,6 +113,10 @@ def main(argv: list[str] | None = None) -> int:
     elif args.command == "prefetch-memory":
         from minifsdp.overlap import run_prefetch_memory_report
         run_prefetch_memory_report(world_sizes=args.world_sizes, markdown=args.markdown)
+    elif args.command == "precision":
+        from minifsdp.precision_report import run_precision_report
+        run_precision_report(world_size=args.world_size, markdown=args.markdown, plot=args.plot,
+                             curve_steps=args.curve_steps)
     elif args.command == "options":
         from minifsdp.options import run_options_report
         run_options_report(world_size=args.world_size, markdown=args.markdown)

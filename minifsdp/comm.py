@@ -94,6 +94,7 @@ class CommCounter:
     record: bool = False
     events: list = field(default_factory=list)   # CommEvent per collective, in issue order (record=True)
     waits: list = field(default_factory=list)    # Wait per blocking wait (record=True)
+    copies: dict = field(default_factory=lambda: defaultdict(float))  # host <-> device bytes (copy_to)
 
     def total(self) -> float:
         return sum(self.bytes.values())
@@ -244,6 +245,22 @@ def reduce(tensor: torch.Tensor, dst: int, op=ReduceOp.SUM, async_op: bool = Fal
     """Rank `dst`'s `tensor` becomes the reduction of every rank's; the others' are left undefined."""
     return _issue("reduce", _nbytes(tensor),
                   lambda async_op: dist.reduce(tensor, dst=dst, op=op, async_op=async_op), async_op, tag)
+
+
+# --8<-- [start:copy_to]
+def copy_to(tensor: torch.Tensor, device: torch.device, direction: str,
+            dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A copy between host and device memory (CPU offload, chapter 8): not a collective, but traffic all the
+    same, so it is counted here too -- in `counter.copies[direction]`, apart from the network's bytes.
+    direction: "host_to_device" or "device_to_host". On a CPU-only machine both ends are the CPU: the copy
+    still happens (one code path), it just costs a memcpy instead of a trip over PCIe."""
+    # asynchronous only from pinned host memory to the device: a copy *to* the host must be complete before
+    # the CPU (the optimizer) reads it
+    out = tensor.to(device, non_blocking=direction == "host_to_device" and tensor.is_pinned(), copy=True)
+    for c in _active:
+        c.copies[direction] += _nbytes(tensor)
+    return out if dtype is None else out.to(dtype)
+# --8<-- [end:copy_to]
 
 
 def all_gather_object(obj) -> list:

@@ -30,6 +30,8 @@ import torch.nn as nn
 from torch.utils._pytree import tree_leaves
 
 from minifsdp import comm
+from minifsdp.mixed_precision import MixedPrecision, cast_buffers, cast_inputs, check_master_dtype, scaled_losses, \
+    warn_if_unscaled
 
 
 # --8<-- [start:all_reduce_by_parts]
@@ -77,14 +79,20 @@ class DistributedDataParallel(nn.Module):
     broadcast_buffers:      re-broadcast rank 0's buffers (e.g. BatchNorm statistics) before each forward.
     find_unused_parameters: set it when some parameters may get no gradient in a step; their buckets
                             would otherwise never complete, and we raise instead of waiting forever.
+    mixed_precision:        chapter 8's MixedPrecision: compute with a param_dtype cast of the fp32
+                            parameters, average the gradients in reduce_dtype, step in fp32.
     """
 
     # --8<-- [start:init]
     def __init__(self, module: nn.Module, bucket_cap_mb: float = 25.0, broadcast_buffers: bool = True,
-                 find_unused_parameters: bool = False):
+                 find_unused_parameters: bool = False, mixed_precision: MixedPrecision | None = None):
         super().__init__()
         comm.require_process_group()
         self.module = module
+        self.mixed_precision = mixed_precision
+        check_master_dtype(mixed_precision, module.named_parameters())
+        cast_buffers(module, mixed_precision)
+        self._scaled_before_forward = scaled_losses()
         self.broadcast_buffers = broadcast_buffers
         self.find_unused_parameters = find_unused_parameters
         self.require_backward_grad_sync = True
@@ -131,7 +139,8 @@ class DistributedDataParallel(nn.Module):
             with torch.no_grad():
                 for b in self.module.buffers():
                     comm.broadcast(b, src=0)
-        out = self.module(*args, **kwargs)
+        self._scaled_before_forward = scaled_losses()
+        out = self._compute(*cast_inputs(self.mixed_precision, args, kwargs))
         if torch.is_grad_enabled() and self.require_backward_grad_sync:
             for b in self._buckets:
                 b.ready = 0
@@ -144,6 +153,16 @@ class DistributedDataParallel(nn.Module):
                 for p in self._unused:
                     self._bucket_of[p].ready += 1
         return out
+
+    def _compute(self, args, kwargs):
+        """The module's forward -- with mixed precision (chapter 8), on a param_dtype cast of its parameters.
+        The casts are part of the autograd graph, so each gradient arrives in fp32 .grad as the exact
+        upcast of the low-precision one, and the hooks below fire as usual."""
+        if self.mixed_precision is None or self.mixed_precision.param_dtype is None:
+            return self.module(*args, **kwargs)
+        dtype = self.mixed_precision.param_dtype
+        cast = {name: p.to(dtype) for name, p in self.module.named_parameters()}
+        return torch.func.functional_call(self.module, cast, args, kwargs)
     # --8<-- [end:forward]
 
     # -- backward: hooks fire as gradients land ------------------------------------------------------------
@@ -169,6 +188,8 @@ class DistributedDataParallel(nn.Module):
     def _flatten(self, bucket: _Bucket) -> torch.Tensor:
         """The bucket's gradients as one flat tensor, already multiplied by 1/N."""
         flat = torch.cat([_grad_or_zeros(p).reshape(-1) for p in bucket.params])
+        if self.mixed_precision is not None and self.mixed_precision.grad_dtype is not None:
+            flat = flat.to(self.mixed_precision.grad_dtype)  # chapter 8: averaged in reduce_dtype
         # Average by multiplying by 1/N before the sum, exactly as torch's DDP does while filling its
         # buckets: the same rounding, so the same bits. (x * (1/3) and x / 3 can differ in the last bit.)
         return flat.mul_(1.0 / self.world_size)
@@ -184,6 +205,7 @@ class DistributedDataParallel(nn.Module):
     def _finish(self) -> None:
         """End of backward: every bucket must have been launched; wait for them and write .grad back."""
         self._finish_queued = False
+        warn_if_unscaled(self.mixed_precision, self._scaled_before_forward)
         if self._next < len(self._buckets):
             missing = [self._names[p] for b in self._buckets[self._next:] for p in b.params if p.grad is None]
             raise RuntimeError(
@@ -208,7 +230,7 @@ class DistributedDataParallel(nn.Module):
             if p.grad is not None:
                 p.grad.copy_(average)
             elif globally_used is None or globally_used[p]:
-                p.grad = average.clone()  # unused here, used elsewhere: it gets the average
+                p.grad = average.to(p.dtype, copy=True)  # unused here, used elsewhere: it gets the average
         # END EXERCISE
     # --8<-- [end:finish]
 

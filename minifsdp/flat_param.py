@@ -122,6 +122,9 @@ class FlatParameter:
         self.name = ""                               # the unit's name, for the byte counter's tags
         self.saved_grad = None                       # see FullyShardedDataParallel._pre_backward
         self.unsharded_grad = None                   # full gradients kept by no_sync() (chapter 9)
+        self.param_dtype = self.reduce_dtype = self._shard.dtype  # chapter 8 (use_precision) may lower these
+        self.offload = False                         # chapter 8: the shard lives in host memory
+        self._all_gather_input = None                # what an all-gather in flight is sending
         for module, name in places:                  # the originals live on only as views
             delattr(module, name)
         for p in params:
@@ -139,7 +142,9 @@ class FlatParameter:
                 self.limiter.before_all_gather()
             with _side_stream("all_gather", self._full, after_compute=False):
                 _alloc_storage(self._full)  # memory of the all-gather stream, the buffer's writer
-                self._unshard_handle = comm.all_gather(self._full, self._shard, async_op=True,
+                plain = not self.offload and self.param_dtype == self._shard.dtype
+                self._all_gather_input = self._shard if plain else self._cast_shard()  # chapter 8
+                self._unshard_handle = comm.all_gather(self._full, self._all_gather_input, async_op=True,
                                                        tag=f"unshard {self.name}")
             self.is_unsharded = True
         if not async_op:
@@ -154,6 +159,7 @@ class FlatParameter:
         if self._unshard_handle is not None:
             handle, self._unshard_handle = self._unshard_handle, None
             handle.wait()
+            self._all_gather_input = None
         if self.is_unsharded and not self._views_made:
             self.param.data = self._full
             self._set_views(use_full=True)
@@ -167,7 +173,7 @@ class FlatParameter:
             return
         if self._unshard_handle is not None:  # never free a buffer the network is still writing into
             self._unshard_handle.wait()
-            self._unshard_handle = None
+            self._unshard_handle = self._all_gather_input = None
         self.param.data = self._shard
         self._views_made = False
         if self._full.is_cuda:
@@ -205,13 +211,75 @@ class FlatParameter:
 
     # --8<-- [start:reduce_scatter_grad]
     def reduce_scatter_grad(self, full_grad: torch.Tensor):
-        """Start averaging the flat gradient across ranks; returns (async handle, this rank's shard of it).
-        `full_grad` is scaled by 1/N in place and must stay alive until the handle is waited on."""
+        """Start averaging the flat gradient across ranks; returns (async handle, this rank's shard of it,
+        the tensor being sent). That tensor -- `full_grad` itself, scaled by 1/N in place, unless chapter 8
+        casts it to reduce_dtype first -- must stay alive until the handle is waited on."""
+        if full_grad.dtype != self.reduce_dtype:
+            full_grad = full_grad.to(self.reduce_dtype)  # chapter 8: e.g. bf16 gradients averaged in fp32
         with _side_stream("reduce_scatter", full_grad, after_compute=True):  # on a GPU: off the compute stream
             # BEGIN EXERCISE 5.2: this rank's shard of the averaged flat gradient, with one reduce-scatter
             full_grad.mul_(1.0 / self.world_size)  # average as DDP does: 1/N first (in place: no second copy)
-            grad_shard = torch.empty_like(self._shard)
+            grad_shard = full_grad.new_empty(self.shard_numel)
             handle = comm.reduce_scatter(grad_shard, full_grad, async_op=True, tag=f"reduce_scatter {self.name}")
             # END EXERCISE
-        return handle, grad_shard
+        return handle, grad_shard, full_grad
     # --8<-- [end:reduce_scatter_grad]
+
+    # -- chapter 8: mixed precision and CPU offload -------------------------------------------------------
+    # --8<-- [start:precision]
+    def use_precision(self, param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None,
+                      offload: bool, device: torch.device) -> None:
+        """Compute in param_dtype and average gradients in reduce_dtype; the shard stays the fp32 master.
+        offload: the shard -- and so its gradient and its optimizer state -- lives in host memory; only the
+        full parameters (and the activations) are on `device`."""
+        self.param_dtype = param_dtype or self._shard.dtype
+        self.reduce_dtype = reduce_dtype or self.param_dtype
+        if (self._full.dtype, self._full.device) != (self.param_dtype, device):  # the all-gather's output
+            self._full = torch.empty(self._full.numel(), dtype=self.param_dtype, device=device)
+            _free_storage(self._full)
+        if offload:
+            self.offload = True
+            self._shard = self._shard.to("cpu", copy=True)  # a copy even on a CPU machine: one code path
+            if torch.cuda.is_available():
+                self._shard = self._shard.pin_memory()  # so the copies to the GPU can run asynchronously
+            self.param.data = self._shard
+            self.param._offloaded = True  # an optimizer stepping it elsewhere is caught (see fsdp.py)
+            self._set_views(use_full=False)
+
+    def _cast_shard(self) -> torch.Tensor:
+        """What this rank sends to the all-gather: its shard, brought to the device (offload) and cast to
+        param_dtype -- *before* the collective, so the bytes on the wire are param_dtype's."""
+        # BEGIN EXERCISE 8.1: bring the master shard to the device (offload), then cast it to param_dtype
+        shard = self._shard
+        if self.offload:  # fp32 over PCIe, then the cast on the device (as PyTorch FSDP does)
+            shard = comm.copy_to(shard, self._full.device, "host_to_device")
+        if shard.dtype != self.param_dtype:
+            shard = shard.to(self.param_dtype)
+        return shard
+        # END EXERCISE
+
+    def grad_for_optimizer(self, grad_shard: torch.Tensor) -> torch.Tensor:
+        """The averaged gradient shard as the optimizer needs it: fp32, where the master shard lives."""
+        if self.offload:
+            return comm.copy_to(grad_shard, self._shard.device, "device_to_host", dtype=self._shard.dtype)
+        return grad_shard.to(self._shard.dtype)
+
+    @contextlib.contextmanager
+    def full_precision(self):
+        """Inside: unshard() gathers the fp32 masters, not their param_dtype cast (state dicts, summon)."""
+        if self.param_dtype == self._shard.dtype:
+            yield
+            return
+        if self.is_unsharded:
+            raise RuntimeError("summon_full_params() gathers the fp32 masters, but this unit holds its "
+                               f"{self.param_dtype} parameters now (inside forward or backward): call it "
+                               "outside a training step")
+        low = self._full, self.param_dtype
+        self._full = torch.empty(self._full.numel(), dtype=self._shard.dtype, device=self._full.device)
+        self.param_dtype = self._shard.dtype
+        try:
+            yield
+        finally:
+            self.reshard()
+            self._full, self.param_dtype = low
+    # --8<-- [end:precision]

@@ -46,6 +46,8 @@ from torch.utils._pytree import tree_leaves
 from minifsdp import comm, timeline
 from minifsdp.flat_param import FlatParameter, sync_all_gathers
 from minifsdp.launch import current_device
+from minifsdp.mixed_precision import (CPUOffload, MixedPrecision, cast_buffers, cast_inputs, check_master_dtype,
+                                      scaled_losses, warn_if_unscaled)
 from minifsdp.fsdp_training import TrainingOptions, _broadcast
 from minifsdp.prefetch import BACKWARD_POST, BACKWARD_PRE, AllGatherLimiter, BackwardPrefetch
 
@@ -130,6 +132,8 @@ class FullyShardedDataParallel(TrainingOptions, nn.Module):
                            PyTorch's FSDP defaults to backward_prefetch=BACKWARD_PRE; here it is None, so
                            that chapter 6's runtime is the one without overlap. Pass BACKWARD_PRE for
                            PyTorch's behaviour.
+    mixed_precision, cpu_offload: chapter 8 (minifsdp/mixed_precision.py): compute in bf16/fp16 from fp32
+                           master shards; keep the shards in host memory.
     """
 
     # --8<-- [start:init]
@@ -137,7 +141,8 @@ class FullyShardedDataParallel(TrainingOptions, nn.Module):
                  sync_module_states: bool = True,
                  backward_prefetch: BackwardPrefetch | None = None,
                  forward_prefetch: bool = False, limit_all_gathers: bool = True,
-                 param_init_fn=None, device_id: torch.device | None = None):
+                 param_init_fn=None, device_id: torch.device | None = None,
+                 mixed_precision: MixedPrecision | None = None, cpu_offload: CPUOffload | None = None):
         super().__init__()
         if backward_prefetch is not None and not isinstance(backward_prefetch, BackwardPrefetch):
             raise ValueError(f"backward_prefetch must be BackwardPrefetch.BACKWARD_PRE, .BACKWARD_POST or None, "
@@ -161,11 +166,20 @@ class FullyShardedDataParallel(TrainingOptions, nn.Module):
             _wrap_children(module, auto_wrap_policy, uses, reshard_after_forward=reshard_after_forward,
                            sync_module_states=sync_module_states and deferred, backward_prefetch=backward_prefetch,
                            forward_prefetch=forward_prefetch, limit_all_gathers=limit_all_gathers,
-                           param_init_fn=param_init_fn, device_id=device_id)
+                           param_init_fn=param_init_fn, device_id=device_id,
+                           mixed_precision=mixed_precision, cpu_offload=cpu_offload)
         self.module = module
         if deferred:  # chapter 9: this unit's own parameters come to life now, and are sharded at once
             self._materialize_own(param_init_fn, device_id or current_device(), sync_module_states)
+        self.mixed_precision = mixed_precision
+        check_master_dtype(mixed_precision, module.named_parameters())
+        cast_buffers(module, mixed_precision)
         self.flat_params = self._flatten_own_parameters()
+        for flat in self.flat_params:  # chapter 8: what the all-gathers send, what the gradients are averaged in
+            flat.use_precision(mixed_precision and mixed_precision.param_dtype,
+                               mixed_precision and mixed_precision.reduce_dtype,
+                               offload=bool(cpu_offload and cpu_offload.offload_params),
+                               device=device_id or current_device())
         for i, flat in enumerate(self.flat_params):
             self.register_parameter(f"flat_param_{i}", flat.param)
             if flat.param.requires_grad:
@@ -186,6 +200,7 @@ class FullyShardedDataParallel(TrainingOptions, nn.Module):
         self._callback_queued = False  # root only
         self._backward_started = False
         self._sync_gradients = True                    # False inside no_sync()
+        self._scaled_before_forward = scaled_losses()  # chapter 8 (root only)
         self._order = {"forward": [], "backward": []}  # units in the order they ran (root only) ...
         self._order_recorded = False                   # ... recorded during the first step
     # --8<-- [end:init]
@@ -210,8 +225,11 @@ class FullyShardedDataParallel(TrainingOptions, nn.Module):
     def forward(self, *args, **kwargs):
         root = self._root_unit
         root._record("forward", self)
-        if self.is_root and self.flat_params:
-            sync_all_gathers(self.flat_params[0].param.device)
+        if self.is_root:
+            self._scaled_before_forward = scaled_losses()  # fp16 without a loss scaler is warned about
+            args, kwargs = cast_inputs(self.mixed_precision, args, kwargs)
+            if self.flat_params:
+                sync_all_gathers(self.flat_params[0]._full.device)
         for flat in self.flat_params:
             flat.unshard(async_op=True)  # start our own all-gather (if not prefetched already) ...
         if self.forward_prefetch:
@@ -305,8 +323,8 @@ class FullyShardedDataParallel(TrainingOptions, nn.Module):
         # BEGIN EXERCISE 6.1: reduce-scatter the flat gradient (async), queue it for the root, reshard
         full_grad = flat.param.grad
         flat.param.grad = None
-        handle, grad_shard = flat.reduce_scatter_grad(full_grad)
-        self._root_unit._pending.append((flat, handle, grad_shard, full_grad))
+        handle, grad_shard, sent = flat.reduce_scatter_grad(full_grad)
+        self._root_unit._pending.append((flat, handle, grad_shard, sent))
         flat.reshard()
         self._root_unit._retire_finished()  # free the full gradients already sent
         # END EXERCISE
@@ -321,6 +339,7 @@ class FullyShardedDataParallel(TrainingOptions, nn.Module):
                 still_pending.append((flat, handle, grad_shard, full_grad))
                 continue
             handle.wait()
+            grad_shard = flat.grad_for_optimizer(grad_shard)  # chapter 8: fp32, where the shard lives
             flat.param.grad = grad_shard if flat.saved_grad is None else flat.saved_grad + grad_shard
             flat.saved_grad = None
         self._pending = still_pending
@@ -339,6 +358,7 @@ class FullyShardedDataParallel(TrainingOptions, nn.Module):
             for flat in unit.flat_params:
                 flat.reshard()  # the root, and any unit whose parameters got no gradient
         self._callback_queued = False
+        warn_if_unscaled(self.mixed_precision, self._scaled_before_forward)
     # --8<-- [end:finish_backward]
 
 
@@ -349,8 +369,9 @@ class FullyShardedDataParallel(TrainingOptions, nn.Module):
         """Inside the block every original parameter holds its full value; with writeback=True, changes
         made to them inside the block are kept (each rank copies its slice back into its shard)."""
         flats = [flat for unit in self.units() for flat in unit.flat_params]
-        with torch.no_grad():
+        with torch.no_grad(), contextlib.ExitStack() as stack:
             for flat in flats:
+                stack.enter_context(flat.full_precision())  # the fp32 masters, not their bf16 cast
                 flat.unshard()
             try:
                 yield
@@ -419,6 +440,11 @@ def _refuse_flattened_params(optimizer, args, kwargs):
                 raise RuntimeError("this optimizer was built over parameters that FullyShardedDataParallel has "
                                    "since flattened into its shards, so it would train nothing: build the "
                                    "optimizer after wrapping, over the wrapped model's parameters()")
+            if getattr(p, "_offloaded", False) and p.device.type != "cpu":
+                raise RuntimeError(f"cpu_offload keeps the sharded parameters in host memory, where the optimizer "
+                                   f"steps them, but this optimizer holds one on {p.device}: the model was moved "
+                                   f"after wrapping. Do not move an offloaded model (FSDP brings each unit to the "
+                                   f"device itself); build the optimizer over its parameters() as they are")
 
 
 register_optimizer_step_pre_hook(_refuse_flattened_params)

@@ -42,7 +42,7 @@ class ShardedDataParallel(DistributedDataParallel):
 
     # --8<-- [start:init]
     def __init__(self, module: nn.Module, sharded_optimizer: OSS, bucket_cap_mb: float = 25.0,
-                 broadcast_buffers: bool = True, find_unused_parameters: bool = False):
+                 broadcast_buffers: bool = True, find_unused_parameters: bool = False, mixed_precision=None):
         if not isinstance(sharded_optimizer, OSS):
             raise TypeError(f"ShardedDataParallel needs a sharded optimizer (minifsdp.OSS) to know which rank "
                             f"owns each gradient; got {type(sharded_optimizer).__name__}. Wrap it: "
@@ -50,7 +50,7 @@ class ShardedDataParallel(DistributedDataParallel):
         self.sharded_optimizer = sharded_optimizer
         self.rank = comm.rank()
         self._reduced, self._saved = set(), {}  # see forward
-        super().__init__(module, bucket_cap_mb, broadcast_buffers, find_unused_parameters)
+        super().__init__(module, bucket_cap_mb, broadcast_buffers, find_unused_parameters, mixed_precision)
 
     def _owners(self) -> dict:
         owner = {p: r for r in range(self.world_size) for p in self.sharded_optimizer.owned_params(r)}

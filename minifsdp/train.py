@@ -13,6 +13,7 @@ The reference strategy "single" trains one process on the whole global batch.
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from typing import Callable, NamedTuple
 
@@ -23,6 +24,7 @@ from minifsdp import comm
 from minifsdp.ddp import DistributedDataParallel
 from minifsdp.launch import current_device
 from minifsdp.meter import MemoryMeter
+from minifsdp.mixed_precision import ShardedGradScaler
 from minifsdp.oss import OSS
 from minifsdp.sdp import ShardedDataParallel
 from minifsdp.models import GPTConfig, TinyGPT, ToyModel, gpt_batch, toy_batch
@@ -38,26 +40,34 @@ OPTIMIZERS: dict[str, Callable] = {name: (lambda params, cls=cls, kw=kw: cls(par
                                    for name, (cls, kw) in OPTIMIZER_SPECS.items()}
 
 
-def _torch_ddp(model, optimizer, find_unused):
+def _torch_ddp(model, optimizer, find_unused, mp=None, offload=None):
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
+    from torch.nn.parallel.distributed import _MixedPrecision
 
-    wrapped = TorchDDP(model, find_unused_parameters=find_unused)
+    _no_offload("torch_ddp", offload)
+    if mp is not None and not torch.cuda.is_available():
+        raise ValueError("torch's DDP takes mixed_precision only on CUDA (it records CUDA events)")
+    policy = mp and _MixedPrecision(param_dtype=mp.param_dtype, reduce_dtype=mp.grad_dtype,
+                                    buffer_dtype=mp.buffer_dtype)
+    wrapped = TorchDDP(model, find_unused_parameters=find_unused, mixed_precision=policy)
     return wrapped, OPTIMIZERS[optimizer](wrapped.parameters())
 
 
-def _ours_ddp(model, optimizer, find_unused):
-    wrapped = DistributedDataParallel(model, find_unused_parameters=find_unused)
+def _ours_ddp(model, optimizer, find_unused, mp=None, offload=None):
+    _no_offload("ddp", offload)
+    wrapped = DistributedDataParallel(model, find_unused_parameters=find_unused, mixed_precision=mp)
     return wrapped, OPTIMIZERS[optimizer](wrapped.parameters())
 
 
-def _oss(model, optimizer, find_unused):
+def _oss(model, optimizer, find_unused, mp=None, offload=None):
+    _no_offload("oss", offload)
     cls, kw = OPTIMIZER_SPECS[optimizer]
-    wrapped = DistributedDataParallel(model, find_unused_parameters=find_unused)
+    wrapped = DistributedDataParallel(model, find_unused_parameters=find_unused, mixed_precision=mp)
     return wrapped, OSS(model.parameters(), optim=cls, **kw)
 
 
 def _fsdp(reshard_after_forward, overlap=False):
-    def build(model, optimizer, find_unused):
+    def build(model, optimizer, find_unused, mp=None, offload=None):
         from minifsdp.fsdp import BACKWARD_PRE, FullyShardedDataParallel, ModuleWrapPolicy
         from minifsdp.models import Block
 
@@ -65,15 +75,17 @@ def _fsdp(reshard_after_forward, overlap=False):
         wrapped = FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({Block, ToyModel}),
                                            reshard_after_forward=reshard_after_forward,
                                            backward_prefetch=BACKWARD_PRE if overlap else None,
-                                           forward_prefetch=overlap)
+                                           forward_prefetch=overlap, mixed_precision=mp, cpu_offload=offload)
         return wrapped, OPTIMIZERS[optimizer](wrapped.parameters())  # built after wrapping: the shards
     return build
 
 
 def _flat(stage):
-    def build(model, optimizer, find_unused):
+    def build(model, optimizer, find_unused, mp=None, offload=None):
         from minifsdp.flat import FlatOSS, FlatShardedDataParallel
 
+        if mp is not None or offload is not None:
+            raise ValueError("the flat ZeRO-1/2 strategies take no mixed_precision or cpu_offload here")
         cls, kw = OPTIMIZER_SPECS[optimizer]
         if stage == 1:  # no DDP underneath: the optimizer reduce-scatters the gradients in step()
             return model, FlatOSS(model.parameters(), optim=cls, **kw)
@@ -82,27 +94,38 @@ def _flat(stage):
     return build
 
 
-def _torch_fsdp2(model, optimizer, find_unused):
+def _torch_fsdp2(model, optimizer, find_unused, mp=None, offload=None):
     """torch's own FSDP2: fully_shard each block, then the root -- the same units as our "fsdp"."""
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    options = dict(mp_policy=MixedPrecisionPolicy(param_dtype=mp.param_dtype, reduce_dtype=mp.reduce_dtype)
+                   if mp else MixedPrecisionPolicy(),
+                   offload_policy=CPUOffloadPolicy() if offload and offload.offload_params else OffloadPolicy())
 
     with torch.no_grad():  # fully_shard assumes every rank built the same weights; make it so
         for t in list(model.parameters()) + list(model.buffers()):
             comm.broadcast(t, src=0)
     for block in getattr(model, "blocks", []):
-        fully_shard(block)
-    wrapped = fully_shard(model)
+        fully_shard(block, **options)
+    wrapped = fully_shard(model, **options)
     return wrapped, OPTIMIZERS[optimizer](wrapped.parameters())
 
 
-def _sdp(model, optimizer, find_unused):
+def _sdp(model, optimizer, find_unused, mp=None, offload=None):
+    _no_offload("sdp", offload)
     cls, kw = OPTIMIZER_SPECS[optimizer]
     opt = OSS(model.parameters(), optim=cls, **kw)
-    return ShardedDataParallel(model, opt, find_unused_parameters=find_unused), opt
+    return ShardedDataParallel(model, opt, find_unused_parameters=find_unused, mixed_precision=mp), opt
+
+
+def _no_offload(name, offload):
+    if offload is not None and offload.offload_params:
+        raise ValueError(f"cpu_offload is FullyShardedDataParallel's option; strategy {name!r} keeps its "
+                         f"parameters on the device")
 
 
 class Strategy(NamedTuple):
-    build: Callable   # (model, optimizer name, find_unused) -> (wrapped model, optimizer)
+    build: Callable   # (model, optimizer name, find_unused, mp=, offload=) -> (wrapped model, optimizer)
     stage: int        # ZeRO stage, for the analytic memory model
     comm_passes: int  # bytes per step = comm_passes x Ψ x 4 x (N-1)/N (ring-equivalent)
 
@@ -153,29 +176,42 @@ def loss_of(model_name: str, model: nn.Module, tensors) -> torch.Tensor:
 def train(strategy: str = "ddp", model: str = "gpt", optimizer: str = "adamw", steps: int = 5,
           global_batch: int = 12, seed: int = 0, gpt_config: GPTConfig | None = None,
           set_to_none: str = "always", measure: bool = True, rank_seeds: bool = True,
-          on_step: Callable[[], None] | None = None) -> dict:
+          on_step: Callable[[], None] | None = None, mixed_precision=None, cpu_offload=None,
+          scaler: dict | None = None, emulate_world_size: int = 1) -> dict:
     """Train on this rank; return what the comparisons need (all tensors on the CPU).
 
     rank_seeds: build each rank's model from seed + rank, so the result is only right if the strategy
                 really makes the replicas start from rank 0's weights.
     set_to_none: "always", "never" or "alternate" (zero_grad(set_to_none=...) by step parity).
     on_step:     called after each step (e.g. to move a progress bar).
+    mixed_precision, cpu_offload: chapter 8's policies, for the strategies that take them.
+    scaler:      train with a ShardedGradScaler(**scaler) (fp16).
+    emulate_world_size: for strategy "emulated" -- one process playing this many ranks, with the casts
+                 mixed precision makes (chapter 8's reference; see _emulated_backward).
     """
     device = current_device()
-    single = strategy == "single"
-    rank, n = (0, 1) if single else (comm.rank(), comm.world_size())
+    single, emulated = strategy == "single", strategy == "emulated"
+    rank, n = (0, 1) if single else (0, emulate_world_size) if emulated else (comm.rank(), comm.world_size())
     net = build_model(model, seed + (rank if rank_seeds else 0), gpt_config).to(device)
     psi = sum(p.numel() for p in net.parameters())  # before any wrapper replaces them with shards
     find_unused = model == "toy"  # the toy model leaves a parameter unused in some steps
-    if single:
+    if emulated:  # CPU kernels split their sums by thread: use as many threads as each of n ranks would get
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // n))
+    if single or emulated:
         wrapped, opt = net, OPTIMIZERS[optimizer](net.parameters())
     else:
-        wrapped, opt = STRATEGIES[strategy].build(net, optimizer, find_unused)
+        wrapped, opt = STRATEGIES[strategy].build(net, optimizer, find_unused, mp=mixed_precision,
+                                                  offload=cpu_offload)
+    grad_scaler = ShardedGradScaler(**scaler) if scaler is not None else None
+    scale = grad_scaler.scale if grad_scaler else (lambda loss: loss)
+    scales = []
     # The meter watches the model states all along, but tracks activations only in the last step: a
     # steady-state step (optimizer state exists), and the other steps run at full speed for the timings.
     meter = MemoryMeter(wrapped, opt) if measure else None
+    if meter is not None and hasattr(wrapped, "units"):  # FSDP: its unsharded buffers are parameters too
+        meter.watch([flat._full for unit in wrapped.units() for flat in unit.flat_params], "params")
     losses, times = [], []
-    with comm.counting() if not single else contextlib.nullcontext() as counter:
+    with comm.counting() if not (single or emulated) else contextlib.nullcontext() as counter:
         for step in range(steps):
             tensors = batch(model, step, global_batch, rank, n, device, gpt_config)
             metered = meter is not None and step == steps - 1
@@ -183,9 +219,19 @@ def train(strategy: str = "ddp", model: str = "gpt", optimizer: str = "adamw", s
                 meter.reset_peak()
             t0 = time.perf_counter()
             with meter if metered else contextlib.nullcontext():
-                loss = loss_of(model, wrapped, tensors)
-                loss.backward()
-                opt.step()
+                if emulated:
+                    loss = _emulated_backward(model, net, mixed_precision, n, scale,
+                                              [batch(model, step, global_batch, r, n, device, gpt_config)
+                                               for r in range(n)])
+                else:
+                    loss = loss_of(model, wrapped, tensors)
+                    scale(loss).backward()
+                if grad_scaler:
+                    scales.append(grad_scaler.get_scale())
+                    grad_scaler.step(opt)
+                    grad_scaler.update()
+                else:
+                    opt.step()
                 if metered:
                     meter.snapshot("after step")
                 opt.zero_grad(set_to_none={"always": True, "never": False, "alternate": step % 2 == 0}[set_to_none])
@@ -202,14 +248,44 @@ def train(strategy: str = "ddp", model: str = "gpt", optimizer: str = "adamw", s
         "step_times": times[1:] or times,  # the first step pays for lazy initialisation
         "peak": meter.peak if meter else None,
         "peak_by_category": meter.peak_by_category if meter else None,
+        "category_peak": meter.category_peak if meter else None,  # each category's own maximum
         "after_step": meter.snapshots.get("after step") if meter else None,
         "allocator": meter.allocator_stats() if meter else {},  # CUDA only: the allocator's own peak
         "comm_bytes": dict(counter.bytes) if counter else {},
         "comm_calls": dict(counter.calls) if counter else {},
+        "comm_copies": dict(counter.copies) if counter else {},
+        "scales": scales,   # the loss scale each step used (with a scaler)
+        "skipped": [s for s, inf in enumerate(getattr(grad_scaler, "local_found_inf", [])) if inf],
         "steps": steps,
         "psi": psi,
         "world_size": n,
     }
+
+
+# --8<-- [start:emulated]
+def _emulated_backward(model_name, net, mp, n, scale, rank_batches) -> torch.Tensor:
+    """One process playing n ranks, with exactly the casts mixed precision makes -- the reference chapter 8
+    compares against (not fp32 with a loose tolerance): each rank's slice computes with a param_dtype cast
+    of the fp32 parameters; each rank's gradient is cast to reduce_dtype and multiplied by 1/n; the n are
+    added in rank order, in reduce_dtype; the sum lands in fp32 .grad. Returns the mean loss."""
+    from torch.func import functional_call
+
+    params = dict(net.named_parameters())
+    compute = (mp and mp.param_dtype) or torch.float32
+    reduce = (mp and mp.grad_dtype) or compute
+    total, losses = {}, []
+    for tensors in rank_batches:
+        cast = {k: p.detach().to(compute).requires_grad_() for k, p in params.items()}
+        loss = loss_of(model_name, lambda *args: functional_call(net, cast, args), tensors)
+        scale(loss).backward()
+        for k, c in cast.items():
+            g = (c.grad if c.grad is not None else torch.zeros_like(c)).to(reduce).mul_(1.0 / n)
+            total[k] = g if k not in total else total[k] + g
+        losses.append(loss.detach().float())
+    for k, p in params.items():
+        p.grad = total[k].to(p.dtype)
+    return torch.stack(losses).mean()
+# --8<-- [end:emulated]
 
 
 def max_abs_diff(a: dict, b: dict) -> float:

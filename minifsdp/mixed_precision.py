@@ -1,0 +1,192 @@
+"""Chapter 8: mixed precision and CPU offload -- the policies, the loss scaler, and their checks.
+
+Mixed precision trains with two copies of every number's precision: the optimizer keeps and steps fp32
+*master* parameters, while forward and backward compute with a bf16 or fp16 *cast* of them. Sharding
+makes the cast cheap to communicate: FSDP casts its fp32 shard to `param_dtype` *before* the all-gather,
+so the wire carries 2 bytes per parameter instead of 4, and the full parameters it builds are half the
+size. Gradients come out of backward in `param_dtype`, are averaged in `reduce_dtype` (bf16 halves the
+reduce-scatter too; fp32 keeps the sum exact to more bits), and land on the shard as fp32 for the step.
+
+    model = FSDP(TinyGPT(), auto_wrap_policy=..., mixed_precision=MixedPrecision(param_dtype=torch.bfloat16))
+    optimizer = torch.optim.AdamW(model.parameters())        # the fp32 master shards
+
+fp16 has 5 exponent bits: gradients below ~6e-8 flush to zero. A loss scaler multiplies the loss by a
+large S so the gradients are S times larger in fp16, and divides them by S (in fp32) before the step; if
+any gradient overflowed, the step is skipped and S halves. With sharded gradients each rank sees only its
+shard's overflow, so the ranks must *agree* -- one all-reduce of one flag -- or some would step and some
+not, and the replicas would silently drift apart. That is ShardedGradScaler.
+
+CPUOffload(offload_params=True) keeps the fp32 shards, their gradients and so the optimizer state in host
+memory: the device holds only the units being computed (and the activations). Each unshard copies the
+shard to the device first; each gradient shard is copied back. Only FSDP offloads here, as in PyTorch.
+
+    python -m minifsdp precision --world-size 2      # memory and bytes per rank: fp32, bf16, bf16 + offload
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from minifsdp import comm
+from minifsdp.launch import current_device
+
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+# --8<-- [start:policies]
+@dataclass(frozen=True)
+class MixedPrecision:
+    """PyTorch FSDP's policy. None means "leave it in the parameters' own dtype (fp32)".
+
+    param_dtype:  what forward and backward compute in (the all-gathered parameters' dtype).
+    reduce_dtype: what gradients are averaged in; None: param_dtype.
+    buffer_dtype: what buffers (e.g. BatchNorm statistics) are kept in; None: as built.
+    """
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    buffer_dtype: torch.dtype | None = None
+
+    def __post_init__(self):
+        for field in ("param_dtype", "reduce_dtype", "buffer_dtype"):
+            dtype = getattr(self, field)
+            if dtype is not None and dtype not in (torch.float32, *LOW_PRECISION):
+                raise ValueError(f"MixedPrecision({field}={dtype}): only torch.float32, torch.bfloat16 and "
+                                 f"torch.float16 are supported")
+        if {self.param_dtype, self.reduce_dtype} >= set(LOW_PRECISION):
+            raise ValueError(f"MixedPrecision(param_dtype={self.param_dtype}, reduce_dtype={self.reduce_dtype}) "
+                             f"mixes the two 16-bit formats: bf16 gradients can exceed fp16's range (65504), "
+                             f"and fp16 ones lose bf16's range for nothing. Reduce in the same dtype or in fp32")
+
+    @property
+    def grad_dtype(self) -> torch.dtype | None:
+        return self.reduce_dtype or self.param_dtype
+
+    @property
+    def uses_fp16(self) -> bool:
+        return torch.float16 in (self.param_dtype, self.reduce_dtype)
+
+
+@dataclass(frozen=True)
+class CPUOffload:
+    """Keep the sharded parameters (and so their gradients and optimizer state) in host memory."""
+    offload_params: bool = False
+# --8<-- [end:policies]
+
+
+def check_master_dtype(policy: MixedPrecision | None, params) -> None:
+    """Mixed precision keeps fp32 master parameters: a model already in bf16 has none to keep."""
+    if policy is None or policy.param_dtype is None:
+        return
+    for name, p in params:
+        if p.is_floating_point() and p.dtype != torch.float32:
+            raise ValueError(f"mixed_precision keeps fp32 master parameters and casts them to "
+                             f"{policy.param_dtype} to compute, but parameter {name!r} is {p.dtype}. Build the "
+                             f"model in fp32 (or drop mixed_precision to train entirely in {p.dtype})")
+
+
+def cast_buffers(module: torch.nn.Module, policy: MixedPrecision | None) -> None:
+    if policy is not None and policy.buffer_dtype is not None:
+        for b in module.buffers():
+            if b.is_floating_point():
+                b.data = b.data.to(policy.buffer_dtype)
+
+
+def cast_inputs(policy: MixedPrecision | None, args, kwargs):
+    """Floating-point inputs in param_dtype (as FSDP's root does), so the first layer is low-precision too;
+    integer inputs (token ids) are left alone."""
+    if policy is None or policy.param_dtype is None:
+        return args, kwargs
+    from torch.utils._pytree import tree_map
+
+    def cast(t):
+        return t.to(policy.param_dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+    return tree_map(cast, args), tree_map(cast, kwargs)
+
+
+# --8<-- [start:scaler]
+_scaled_losses = 0  # how many losses a ShardedGradScaler has scaled in this process (see warn_if_unscaled)
+
+
+class ShardedGradScaler:
+    """Dynamic loss scaling for fp16 whose skip decision is the same on every rank (torch.amp.GradScaler's
+    arguments and behaviour, plus that agreement).
+
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)      # unscale, and step only if no rank saw an inf or a nan
+        scaler.update()             # halve the scale after an overflow; double it after growth_interval
+    """
+
+    def __init__(self, init_scale: float = 2.0 ** 16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
+                 growth_interval: int = 2000, enabled: bool = True):
+        self.scale_value, self.growth_factor, self.backoff_factor = init_scale, growth_factor, backoff_factor
+        self.growth_interval, self.enabled = growth_interval, enabled
+        self._growth_tracker = 0
+        self._found_inf = {}        # id(optimizer) -> this step's agreed flag, once unscaled
+        self.local_found_inf = []   # per step: did *this rank's* gradients overflow (for the tests)
+
+    def get_scale(self) -> float:
+        return self.scale_value if self.enabled else 1.0
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        global _scaled_losses
+        _scaled_losses += 1
+        # in fp32: an fp16 loss times 2**16 would itself overflow
+        return loss.float() * self.scale_value if self.enabled else loss
+
+    def unscale_(self, optimizer) -> None:
+        """Divide this rank's gradients by the scale (in their fp32 dtype) and agree on overflow."""
+        if not self.enabled or id(optimizer) in self._found_inf:
+            return
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        found_inf = torch.zeros(1, device=current_device())  # where the collective runs (offload: not the grads)
+        for g in grads:
+            g.mul_(1.0 / self.scale_value)  # a power of two: exact in fp32
+            found_inf += (~torch.isfinite(g)).any().to(found_inf.device)
+        self.local_found_inf.append(bool(found_inf.item()))
+        # BEGIN EXERCISE 8.2: the ranks must agree: skip the step everywhere if any rank overflowed
+        comm.all_reduce(found_inf, op=comm.ReduceOp.MAX, tag="found_inf")
+        # END EXERCISE
+        self._found_inf[id(optimizer)] = bool(found_inf.item())
+
+    def step(self, optimizer, *args, **kwargs):
+        if not self.enabled:
+            return optimizer.step(*args, **kwargs)
+        self.unscale_(optimizer)
+        return None if self._found_inf[id(optimizer)] else optimizer.step(*args, **kwargs)
+
+    def update(self) -> None:
+        if not self.enabled:
+            return
+        if any(self._found_inf.values()):
+            self.scale_value *= self.backoff_factor
+            self._growth_tracker = 0
+        else:
+            self._growth_tracker += 1
+            if self._growth_tracker == self.growth_interval:
+                grown = self.scale_value * self.growth_factor
+                if grown <= torch.finfo(torch.float32).max:  # the scaled loss is fp32: stay finite there
+                    self.scale_value = grown
+                self._growth_tracker = 0
+        self._found_inf = {}
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale_value, "growth_tracker": self._growth_tracker}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scale_value, self._growth_tracker = state["scale"], state["growth_tracker"]
+# --8<-- [end:scaler]
+
+
+def warn_if_unscaled(policy: MixedPrecision | None, scaled_before_forward: int) -> None:
+    """Called at the end of a backward: fp16 gradients and no loss scaled since the forward."""
+    if policy is not None and policy.uses_fp16 and _scaled_losses == scaled_before_forward:
+        warnings.warn("mixed precision in float16 without a loss scaler: gradients below ~6e-8 flush to zero "
+                      "and large ones overflow to inf. Use minifsdp.ShardedGradScaler (scaler.scale(loss)"
+                      ".backward(); scaler.step(optimizer); scaler.update()), or bfloat16", stacklevel=2)
+
+
+def scaled_losses() -> int:
+    return _scaled_losses

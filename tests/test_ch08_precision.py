@@ -1,0 +1,334 @@
+"""Chapter 8: mixed precision (bf16, fp16 with a loss scaler) and CPU offload, for DDP, OSS, SDP and FSDP.
+
+The reference for low precision is not fp32 with a loose tolerance but one process that makes the same
+casts (train.py's _emulated_backward): every rank's slice computed with a param_dtype cast of the fp32
+parameters, each rank's gradient cast to reduce_dtype and multiplied by 1/N, the N added in rank order in
+reduce_dtype, the fp32 step. Tolerances:
+- N = 1, 2: bit-exact. Two addends sum the same in any order.
+- N = 3, 4: gloo adds the N gradients in an order that depends on the element's position in the buffer,
+  not in rank order. Reduced in bf16 / fp16, each addition rounds to 8 (or 11) bits: up to 2^-8 of a
+  gradient element. Reduced in fp32 the sums differ only in the last fp32 bit (4e-9 measured with SGD) --
+  but the next step casts the parameters to bf16 again, and a parameter that moved by one fp32 bit across
+  a bf16 rounding boundary computes with a value one bf16 step (2^-8 relative) away. So both get the same
+  bounds: SGD 1e-3 (measured about 1e-4 after 3 steps). AdamW's step is about lr whatever the gradient's
+  size, so an element whose tiny gradient rounds to the other sign moves up to 2 lr further per step:
+  2 lr x steps.
+torch's FSDP2 (fully_shard with MixedPrecisionPolicy) on the same model gets the same bounds.
+"""
+
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from minifsdp import launch
+from minifsdp.ddp import DistributedDataParallel as DDP
+from minifsdp.fsdp import FullyShardedDataParallel as FSDP, ModuleWrapPolicy
+from minifsdp.mixed_precision import CPUOffload, MixedPrecision, ShardedGradScaler
+from minifsdp.models import Block, TinyGPT
+from minifsdp.train import OPTIMIZER_SPECS, batch, loss_of, max_abs_diff, train
+
+WORLD_SIZES = (1, 2, 3, 4)
+STEPS = 3
+BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
+POLICIES = {"bf16": MixedPrecision(param_dtype=BF16), "bf16_reduce_fp32": MixedPrecision(BF16, reduce_dtype=F32),
+            "fp16": MixedPrecision(param_dtype=F16)}
+SCALER = dict(init_scale=2.0 ** 12, growth_interval=2)  # grows once within the run: the schedule is exercised
+STRATEGIES = ("fsdp", "ddp", "oss", "sdp", "torch_fsdp2")
+LOW = {"sgd": 1e-3, "adamw": 2 * OPTIMIZER_SPECS["adamw"][1]["lr"] * STEPS}  # N = 3, 4 only: see above
+
+
+def _policy_runs(policy):
+    return [(s, opt) for s in STRATEGIES for opt in ("sgd", "adamw")
+            if not (policy == "fp16" and s == "torch_fsdp2")]  # FSDP2 has no sharded scaler of ours
+
+
+def _kwargs(policy, opt):
+    kw = dict(optimizer=opt, steps=STEPS, measure=False, mixed_precision=POLICIES[policy])
+    if policy == "fp16":
+        kw["scaler"] = SCALER
+    return kw
+
+
+def emulated_cases(n):
+    """The references, in one process playing n ranks."""
+    return {(policy, opt): train("emulated", emulate_world_size=n, **_kwargs(policy, opt))
+            for policy in POLICIES for opt in ("sgd", "adamw")}
+
+
+def scaler_agreement():
+    """FSDP in fp16; in step 1 one gradient element overflows on rank 0 only: the element's owner (rank 0)
+    sees the inf in its shard, the other ranks see finite shards -- and must skip the step all the same."""
+    n, r = dist.get_world_size(), dist.get_rank()
+    model = FSDP(TinyGPT(), auto_wrap_policy=ModuleWrapPolicy({Block}), mixed_precision=POLICIES["fp16"])
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    scaler = ShardedGradScaler(init_scale=2.0 ** 12)
+    flat = model.flat_params[0]  # the root's: its element 0 is in rank 0's shard
+    step_now = [0]
+
+    def overflow(grad):
+        if step_now[0] == 1 and r == 0:
+            grad = grad.clone()
+            grad[0] = float("inf")
+        return grad
+
+    flat.param.register_hook(overflow)
+    taken = []  # the steps this rank's optimizer really took
+    opt.register_step_post_hook(lambda *args: taken.append(step_now[0]))
+    scales = []
+    for step in range(STEPS):
+        step_now[0] = step
+        scaler.scale(loss_of("gpt", model, batch("gpt", step, 12, r, n, "cpu"))).backward()
+        scaler.step(opt)
+        scales.append(scaler.get_scale())
+        scaler.update()
+        opt.zero_grad()
+    return {"local": scaler.local_found_inf, "scales": scales, "taken": taken}
+
+
+def fp16_without_scaler_warns():
+    r, n = dist.get_rank(), dist.get_world_size()
+    out = {}
+    for kind in ("fsdp", "ddp", "fsdp_bf16"):
+        policy = POLICIES["bf16" if kind == "fsdp_bf16" else "fp16"]
+        net = TinyGPT()
+        model = DDP(net, mixed_precision=policy) if kind == "ddp" else \
+            FSDP(net, auto_wrap_policy=ModuleWrapPolicy({Block}), mixed_precision=policy)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            loss_of("gpt", model, batch("gpt", 0, 12, r, n, "cpu")).backward()
+            scaled = ShardedGradScaler().scale(loss_of("gpt", model, batch("gpt", 1, 12, r, n, "cpu")))
+            n_before = len(caught)
+            scaled.backward()
+        out[kind] = ([str(w.message) for w in caught[:n_before]], len(caught) - n_before)
+    return out
+
+
+def master_state_dict():
+    """summon_full_params / full_state_dict give the fp32 masters, and writing them back keeps them."""
+    model = FSDP(TinyGPT(), auto_wrap_policy=ModuleWrapPolicy({Block}), mixed_precision=POLICIES["bf16"])
+    before = model.full_state_dict()
+    edited = {k: v + 1e-3 for k, v in before.items()}  # not representable in bf16: lost if cast anywhere
+    model.load_full_state_dict(edited)
+    return {"dtypes": {str(v.dtype) for v in before.values()}, "before": before, "after": model.full_state_dict(),
+            "edited": edited, "reference": TinyGPT().state_dict()}
+
+
+def chapter_cases():
+    out = {}
+    for policy in POLICIES:
+        for s, opt in _policy_runs(policy):
+            out[(policy, s, opt)] = train(s, **_kwargs(policy, opt))
+    for opt in ("sgd", "adamw"):  # CPU offload: bit-exact against the same run without it; bytes copied
+        out[("fp32", "fsdp", opt)] = train("fsdp", optimizer=opt, steps=STEPS)
+        out[("fp32_offload", "fsdp", opt)] = train("fsdp", optimizer=opt, steps=STEPS,
+                                                  cpu_offload=CPUOffload(offload_params=True))
+        out[("bf16_offload", "fsdp", opt)] = train("fsdp", optimizer=opt, steps=STEPS, measure=False,
+                                                  mixed_precision=POLICIES["bf16"],
+                                                  cpu_offload=CPUOffload(offload_params=True))
+    out[("bf16_measured", "fsdp")] = train("fsdp", optimizer="adamw", steps=STEPS, mixed_precision=POLICIES["bf16"])
+    model = FSDP(TinyGPT(), auto_wrap_policy=ModuleWrapPolicy({Block}))
+    out["units"] = [(u is model, [f.shard_numel for f in u.flat_params]) for u in model.units()]
+    out["agreement"] = scaler_agreement()
+    out["warnings"] = fp16_without_scaler_warns()
+    out["masters"] = master_state_dict()
+    return out
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    return {n: launch(chapter_cases, world_size=n, device="cpu") for n in WORLD_SIZES}
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return {n: launch(emulated_cases, world_size=1, args=(n,), device="cpu")[0] for n in WORLD_SIZES}
+
+
+# -- parity ---------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n", WORLD_SIZES)
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_low_precision_equals_the_emulated_casts(ranks, reference, n, policy):
+    for s, opt in _policy_runs(policy):
+        tol = 0.0 if n <= 2 else LOW[opt]
+        for r in range(n):
+            got, ref = ranks[n][r][(policy, s, opt)], reference[n][(policy, opt)]
+            diff = max_abs_diff(got["params"], ref["params"])
+            assert diff <= tol, f"{s} {opt} rank {r}: {diff:.3g} > {tol}"
+            if policy == "fp16":  # the scaler took the same decisions as the reference's
+                assert got["scales"] == ref["scales"] and got["skipped"] == ref["skipped"]
+
+
+@pytest.mark.parametrize("n", WORLD_SIZES)
+def test_low_precision_really_is_low(ranks, n):
+    """Not fp32 in disguise: bf16 and fp32 training end up measurably apart (fp32 at N = 3, 4 differs from
+    itself by reduction order only at the 1e-9 level)."""
+    bf16, fp32 = ranks[n][0][("bf16", "fsdp", "sgd")], ranks[n][0][("fp32", "fsdp", "sgd")]
+    assert max_abs_diff(bf16["params"], fp32["params"]) > 1e-5
+
+
+@pytest.mark.parametrize("n", WORLD_SIZES)
+@pytest.mark.parametrize("policy", ["fp32", "bf16"])
+def test_cpu_offload_changes_no_value(ranks, n, policy):
+    for opt in ("sgd", "adamw"):
+        plain = ranks[n][0][(policy if policy == "fp32" else "bf16", "fsdp", opt)]
+        offloaded = ranks[n][0][(f"{policy}_offload", "fsdp", opt)]
+        assert max_abs_diff(plain["params"], offloaded["params"]) == 0.0
+
+
+# -- bytes ------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_bf16_halves_the_bytes_it_should(ranks, n):
+    res = ranks[n][0]
+    fp32 = res[("fp32", "fsdp", "sgd")]["comm_bytes"]
+    bf16, bf16_f32 = res[("bf16", "fsdp", "sgd")]["comm_bytes"], res[("bf16_reduce_fp32", "fsdp", "sgd")]["comm_bytes"]
+    assert bf16["all_gather"] * 2 == fp32["all_gather"]          # the shard is cast before it is sent
+    assert bf16["reduce_scatter"] * 2 == fp32["reduce_scatter"]  # and the gradients averaged in bf16
+    assert bf16_f32["all_gather"] == bf16["all_gather"]
+    assert bf16_f32["reduce_scatter"] == fp32["reduce_scatter"]  # reduce_dtype=fp32: full size
+    for s, kind in (("ddp", "all_reduce"), ("sdp", "reduce")):  # their buckets, cast to reduce_dtype
+        assert res[("bf16", s, "sgd")]["comm_bytes"][kind] * 2 == res[("bf16_reduce_fp32", s, "sgd")]["comm_bytes"][kind]
+
+
+@pytest.mark.parametrize("n", WORLD_SIZES)
+def test_offload_copies_each_shard_in_and_each_gradient_shard_out(ranks, n):
+    """Per step: the fp32 shard to the device at every unshard (the root once, every block twice: forward
+    and backward), and every reduced gradient shard back, in reduce_dtype."""
+    units = ranks[n][0]["units"]
+    into = 4 * sum(sum(shards) * (1 if is_root else 2) for is_root, shards in units)
+    for policy, grad_bytes in (("fp32", 4), ("bf16", 2)):
+        copies = ranks[n][0][(f"{policy}_offload", "fsdp", "sgd")]["comm_copies"]
+        assert copies["host_to_device"] == STEPS * into
+        assert copies["device_to_host"] == STEPS * grad_bytes * sum(sum(s) for _, s in units)
+        assert not ranks[n][0][(policy if policy == "fp32" else "bf16", "fsdp", "sgd")]["comm_copies"]
+
+
+# -- memory -----------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n", WORLD_SIZES)
+def test_model_states_keep_16_bytes_per_parameter_and_the_unsharded_units_halve(ranks, n):
+    """fp32 master shard 4 + fp32 gradient shard 4 + AdamW 8 = 16Ψ/N in either precision -- the ZeRO
+    paper's (2+2+K)Ψ/N with K = 12 -- while the full parameters of a unit, alive only while it computes,
+    take 2 bytes per parameter instead of 4. (AdamW also keeps a 4-byte step count per flat parameter.)"""
+    units = ranks[n][0]["units"]
+    shard_numel = sum(sum(s) for _, s in units)
+    step_counts = 4 * sum(len(s) for _, s in units)
+    fp32, bf16 = ranks[n][0][("fp32", "fsdp", "adamw")], ranks[n][0][("bf16_measured", "fsdp")]
+    for m in (fp32, bf16):
+        after = m["after_step"]
+        assert after["params"] + after["grads"] + after["optim"] == 16 * shard_numel + step_counts
+    unsharded = {k: m["category_peak"]["params"] - 4 * shard_numel for k, m in (("fp32", fp32), ("bf16", bf16))}
+    assert unsharded["fp32"] > 0 and unsharded["bf16"] * 2 == unsharded["fp32"]
+    assert bf16["peak"] < fp32["peak"]  # activations in bf16 too
+
+
+# -- the loss scaler --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n", WORLD_SIZES)
+def test_scaler_skips_on_every_rank_when_one_shard_overflows(ranks, n):
+    runs = [ranks[n][r]["agreement"] for r in range(n)]
+    assert [run["local"][1] for run in runs] == [True] + [False] * (n - 1)  # only rank 0's shard saw it
+    for run in runs:
+        assert run["scales"] == [2.0 ** 12, 2.0 ** 12, 2.0 ** 11]  # ... yet every rank backed off
+        assert run["taken"] == [0, 2]  # and skipped step 1: no rank stepped its shards alone
+
+
+def _scaler_run(ours):
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    kw = dict(init_scale=2.0 ** 127, growth_interval=3)  # overflows, backs off, grows, overflows again ...
+    scaler = ShardedGradScaler(**kw) if ours else torch.amp.GradScaler("cpu", **kw)
+    scales = []
+    for step in range(40):
+        x = torch.randn(16, 4, generator=torch.Generator().manual_seed(step))
+        scaler.scale(net(x).pow(2).mean() * 4).backward()  # 4 x 2^127 is beyond fp32
+        scaler.step(opt)
+        scaler.update()
+        scales.append(float(scaler.get_scale()))
+        opt.zero_grad()
+    return scales, [p.detach().clone() for p in net.parameters()]
+
+
+def test_scaler_behaves_like_torchs_grad_scaler():
+    """One process: the same scale schedule, skips and parameters as torch.amp.GradScaler."""
+    ours, theirs = launch(_scaler_run, world_size=1, args=(True,), device="cpu")[0], _scaler_run(False)
+    scales = ours[0]
+    assert scales == theirs[0]
+    assert any(b < a for a, b in zip(scales, scales[1:])) and any(b > a for a, b in zip(scales, scales[1:]))
+    assert all(torch.equal(a, b) for a, b in zip(ours[1], theirs[1]))
+
+
+# -- bad input --------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n", WORLD_SIZES)
+def test_fp16_without_a_scaler_warns_and_with_one_does_not(ranks, n):
+    for kind in ("fsdp", "ddp"):
+        before, after = ranks[n][0]["warnings"][kind]
+        assert any("ShardedGradScaler" in w for w in before), before
+        assert after == 0
+    assert not ranks[n][0]["warnings"]["fsdp_bf16"][0]
+
+
+@pytest.mark.parametrize("n", WORLD_SIZES)
+def test_state_dicts_hold_the_fp32_masters(ranks, n):
+    m = ranks[n][0]["masters"]
+    assert m["dtypes"] == {"torch.float32"}
+    assert max_abs_diff(m["before"], m["reference"]) == 0.0
+    assert max_abs_diff(m["after"], m["edited"]) == 0.0
+
+
+@pytest.mark.parametrize("kwargs, complaint", [
+    (dict(param_dtype=torch.int8), "only torch.float32, torch.bfloat16 and torch.float16"),
+    (dict(param_dtype=torch.float64), "only torch.float32"),
+    (dict(param_dtype=BF16, reduce_dtype=F16), "mixes the two 16-bit formats"),
+    (dict(param_dtype=F16, reduce_dtype=BF16), "mixes the two 16-bit formats"),
+])
+def test_unsupported_dtype_combinations_are_refused(kwargs, complaint):
+    with pytest.raises(ValueError, match=complaint):
+        MixedPrecision(**kwargs)
+
+
+def _bad_inputs():
+    errors = {}
+    for kind in ("fsdp", "ddp"):
+        net = TinyGPT().to(BF16)
+        try:
+            FSDP(net, mixed_precision=POLICIES["bf16"]) if kind == "fsdp" else DDP(net, mixed_precision=POLICIES["bf16"])
+        except ValueError as e:
+            errors[f"{kind} bf16 model"] = str(e)
+    try:
+        train("ddp", steps=1, cpu_offload=CPUOffload(offload_params=True))
+    except ValueError as e:
+        errors["ddp offload"] = str(e)
+    net = TinyGPT()
+    before = torch.optim.SGD(net.parameters(), lr=0.1)  # built on the parameters FSDP is about to take
+    model = FSDP(net, auto_wrap_policy=ModuleWrapPolicy({Block}), cpu_offload=CPUOffload(offload_params=True))
+    loss_of("gpt", model, batch("gpt", 0, 12, 0, 1, "cpu")).backward()
+    try:
+        before.step()
+    except RuntimeError as e:
+        errors["optimizer built before"] = str(e)
+    assert all(getattr(p, "_offloaded", False) and p.device.type == "cpu" for p in model.parameters())
+    # An offloaded shard that is no longer on the CPU (model.cuda() after wrapping does that on a GPU
+    # machine): a CPU-only machine has one other device to put a parameter on, meta.
+    moved = torch.nn.Parameter(torch.empty(3, device="meta"))
+    moved._offloaded = True
+    try:
+        torch.optim.SGD([moved], lr=0.1).step()
+    except RuntimeError as e:
+        errors["moved"] = str(e)
+    return errors
+
+
+def test_bad_input_gets_a_message_that_names_the_problem():
+    errors = launch(_bad_inputs, world_size=1, device="cpu")[0]
+    assert "keeps fp32 master parameters" in errors["fsdp bf16 model"] and "torch.bfloat16" in errors["fsdp bf16 model"]
+    assert "keeps fp32 master parameters" in errors["ddp bf16 model"]
+    assert "cpu_offload is FullyShardedDataParallel's option" in errors["ddp offload"]
+    assert "build the optimizer after wrapping" in errors["optimizer built before"]
+    assert "host memory" in errors["moved"] and "meta" in errors["moved"]
+
