@@ -125,6 +125,7 @@ class FlatParameter:
         self.param_dtype = self.reduce_dtype = self._shard.dtype  # chapter 8 (use_precision) may lower these
         self.offload = False                         # chapter 8: the shard lives in host memory
         self._all_gather_input = None                # what an all-gather in flight is sending
+        self.reduce_input = None                     # what a reduce-scatter in flight is sending
         for module, name in places:                  # the originals live on only as views
             delattr(module, name)
         for p in params:
@@ -211,18 +212,19 @@ class FlatParameter:
 
     # --8<-- [start:reduce_scatter_grad]
     def reduce_scatter_grad(self, full_grad: torch.Tensor):
-        """Start averaging the flat gradient across ranks; returns (async handle, this rank's shard of it,
-        the tensor being sent). That tensor -- `full_grad` itself, scaled by 1/N in place, unless chapter 8
-        casts it to reduce_dtype first -- must stay alive until the handle is waited on."""
+        """Start averaging the flat gradient across ranks; returns (async handle, this rank's shard of it).
+        The tensor being sent -- `full_grad` itself, scaled by 1/N in place, unless chapter 8 casts it to
+        reduce_dtype first -- is left in self.reduce_input: it must stay alive until the handle is waited on."""
         if full_grad.dtype != self.reduce_dtype:
             full_grad = full_grad.to(self.reduce_dtype)  # chapter 8: e.g. bf16 gradients averaged in fp32
+        self.reduce_input = full_grad
         with _side_stream("reduce_scatter", full_grad, after_compute=True):  # on a GPU: off the compute stream
             # BEGIN EXERCISE 5.2: this rank's shard of the averaged flat gradient, with one reduce-scatter
             full_grad.mul_(1.0 / self.world_size)  # average as DDP does: 1/N first (in place: no second copy)
             grad_shard = full_grad.new_empty(self.shard_numel)
             handle = comm.reduce_scatter(grad_shard, full_grad, async_op=True, tag=f"reduce_scatter {self.name}")
             # END EXERCISE
-        return handle, grad_shard, full_grad
+        return handle, grad_shard
     # --8<-- [end:reduce_scatter_grad]
 
     # -- chapter 8: mixed precision and CPU offload -------------------------------------------------------

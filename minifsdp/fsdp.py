@@ -323,8 +323,8 @@ class FullyShardedDataParallel(TrainingOptions, nn.Module):
         # BEGIN EXERCISE 6.1: reduce-scatter the flat gradient (async), queue it for the root, reshard
         full_grad = flat.param.grad
         flat.param.grad = None
-        handle, grad_shard, sent = flat.reduce_scatter_grad(full_grad)
-        self._root_unit._pending.append((flat, handle, grad_shard, sent))
+        handle, grad_shard = flat.reduce_scatter_grad(full_grad)
+        self._root_unit._pending.append((flat, handle, grad_shard, full_grad))
         flat.reshard()
         self._root_unit._retire_finished()  # free the full gradients already sent
         # END EXERCISE
@@ -339,6 +339,7 @@ class FullyShardedDataParallel(TrainingOptions, nn.Module):
                 still_pending.append((flat, handle, grad_shard, full_grad))
                 continue
             handle.wait()
+            flat.reduce_input = None  # (chapter 8: a reduce_dtype copy of full_grad, if one was sent)
             grad_shard = flat.grad_for_optimizer(grad_shard)  # chapter 8: fp32, where the shard lives
             flat.param.grad = grad_shard if flat.saved_grad is None else flat.saved_grad + grad_shard
             flat.saved_grad = None
