@@ -169,8 +169,9 @@ class FullyShardedDataParallel(TrainingOptions, nn.Module):
                            param_init_fn=param_init_fn, device_id=device_id,
                            mixed_precision=mixed_precision, cpu_offload=cpu_offload)
         self.module = module
+        device = device_id or current_device()
         if deferred:  # chapter 9: this unit's own parameters come to life now, and are sharded at once
-            self._materialize_own(param_init_fn, device_id or current_device(), sync_module_states)
+            self._materialize_own(param_init_fn, device, sync_module_states)
         self.mixed_precision = mixed_precision
         check_master_dtype(mixed_precision, module.named_parameters())
         cast_buffers(module, mixed_precision)
@@ -179,7 +180,7 @@ class FullyShardedDataParallel(TrainingOptions, nn.Module):
             flat.use_precision(mixed_precision and mixed_precision.param_dtype,
                                mixed_precision and mixed_precision.reduce_dtype,
                                offload=bool(cpu_offload and cpu_offload.offload_params),
-                               device=device_id or current_device())
+                               device=device)
         for i, flat in enumerate(self.flat_params):
             self.register_parameter(f"flat_param_{i}", flat.param)
             if flat.param.requires_grad:

@@ -73,14 +73,18 @@ def _under_torchrun() -> bool:
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"))
 
 
+def threads_per_rank(world_size: int) -> int:
+    """Ranks share the machine's cores; giving each all of them makes every rank slower."""
+    return max(1, (os.cpu_count() or 1) // world_size)
+
+
 def init_process_group(rank: int, world_size: int, device: str, timeout: float = DEFAULT_TIMEOUT,
                        init_method: str = "env://") -> None:
     """Join the group: gloo for the CPU, NCCL for GPUs (one per rank), with a timeout on every collective."""
     if device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     else:
-        # Ranks share the machine's cores; giving each all of them makes every rank slower.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        torch.set_num_threads(threads_per_rank(world_size))
     dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=init_method, rank=rank,
                             world_size=world_size, timeout=datetime.timedelta(seconds=timeout))
 

@@ -29,6 +29,7 @@ import warnings
 from dataclasses import dataclass
 
 import torch
+from torch.utils._pytree import tree_map
 
 from minifsdp import comm
 from minifsdp.launch import current_device
@@ -99,7 +100,6 @@ def cast_inputs(policy: MixedPrecision | None, args, kwargs):
     integer inputs (token ids) are left alone."""
     if policy is None or policy.param_dtype is None:
         return args, kwargs
-    from torch.utils._pytree import tree_map
 
     def cast(t):
         return t.to(policy.param_dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t

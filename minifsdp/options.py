@@ -18,7 +18,7 @@ from minifsdp.fsdp import FullyShardedDataParallel, ModuleWrapPolicy
 from minifsdp.launch import launch
 from minifsdp.meter import MemoryMeter
 from minifsdp.models import Block, GPTConfig, TinyGPT, init_weights
-from minifsdp.tour import _fmt_bytes
+from minifsdp.tour import _fmt_bytes, write_report
 from minifsdp.train import OPTIMIZERS, batch, loss_of
 
 CONFIG = GPTConfig(n_layer=4)
@@ -129,8 +129,5 @@ def run_options_report(world_size: int = 2, markdown: str | None = None) -> dict
     lines.append(f"| on the meta device | {_fmt_bytes(de['deferred']['peak'])} | at most the shards + one unit twice "
                  f"(its parameters and its flat copy): ≤ {_fmt_bytes(de['deferred']['padded'] / n + 2 * de['deferred']['unit'])} |")
     text = "\n".join(lines)
-    print(text)
-    if markdown:
-        with open(markdown, "w") as f:
-            f.write(text + "\n")
+    write_report(text, markdown)
     return res

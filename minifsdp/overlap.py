@@ -20,7 +20,7 @@ from minifsdp.launch import launch
 from minifsdp.meter import MemoryMeter
 from minifsdp.models import Block, GPTConfig, TinyGPT
 from minifsdp.timeline import Timeline, hidden_fraction, lane_time, plot_timeline, write_chrome_trace
-from minifsdp.tour import _fmt_bytes
+from minifsdp.tour import _fmt_bytes, write_report
 from minifsdp.train import OPTIMIZERS, batch, loss_of
 
 # --8<-- [start:modes]
@@ -95,10 +95,7 @@ def run_timeline_report(world_size: int = 2, modes=tuple(MODES), bandwidth: floa
             f"{sum(p.numel() for p in TinyGPT(TIMELINE_MODEL).parameters()):,} parameters, {world_size} CPU "
             f"ranks, on a link throttled to {bandwidth / 1e6:g} MB/s and {latency * 1e3:g} ms per collective; "
             f"rank 0, the step of median time of three\n\n" + "\n".join(lines))
-    print(text)
-    if markdown:
-        with open(markdown, "w") as f:
-            f.write(text + "\n")
+    write_report(text, markdown)
     if plot:
         _plot_modes(results, modes, plot)
         print(f"\nwrote {plot}")
@@ -190,8 +187,5 @@ def run_prefetch_memory_report(world_sizes=(2, 4), markdown: str | None = None) 
     text = ("Peak bytes of parameters (shards + full buffers) per rank, rank 0, in a steady-state FSDP step of "
             "the timeline GPT; analytic: every shard plus the full buffers of the root and of the blocks "
             "alive at once (one, or two with a prefetch)\n\n" + "\n".join(lines))
-    print(text)
-    if markdown:
-        with open(markdown, "w") as f:
-            f.write(text + "\n")
+    write_report(text, markdown)
     return results

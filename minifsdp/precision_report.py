@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import torch
 
+from minifsdp import analytic
 from minifsdp.launch import launch
 from minifsdp.mixed_precision import CPUOffload, MixedPrecision
 from minifsdp.models import GPTConfig, TinyGPT
-from minifsdp.tour import _fmt_bytes
+from minifsdp.tour import _fmt_bytes, write_report
 from minifsdp.train import STRATEGIES, train
 
 CONFIG = GPTConfig(n_layer=4)
@@ -40,7 +41,7 @@ def measure() -> dict:
         mp, offload = POLICIES[label]
         r = train(strategy, optimizer="adamw", steps=STEPS, gpt_config=CONFIG, mixed_precision=mp,
                   cpu_offload=offload)
-        out[(strategy, label)] = {k: r[k] for k in ("after_step", "peak", "comm_bytes", "comm_copies", "psi")}
+        out[(strategy, label)] = {k: r[k] for k in ("after_step", "peak", "comm_bytes", "comm_copies")}
         out[(strategy, label)]["params_peak"] = r["category_peak"]["params"]
     return out
 
@@ -52,9 +53,8 @@ def model_states(psi: int, n: int, stage: int) -> tuple[float, float]:
     gradients are fp32 once reduced: params 4, grads 4, optimizer 8 -- sharded as in chapter 2.
     The ZeRO paper keeps fp16 parameters and gradients (2 + 2) and puts the fp32 master copy in the
     optimizer state (K = 12), so stages 1 and 2 shard the master copy too."""
-    ours = {0: 16 * psi, 1: 8 * psi + 8 * psi / n, 2: 4 * psi + 12 * psi / n, 3: 16 * psi / n}[stage]
-    zero = {0: 16 * psi, 1: 4 * psi + 12 * psi / n, 2: 2 * psi + 14 * psi / n, 3: 16 * psi / n}[stage]
-    return ours, zero
+    return (analytic.model_state_bytes(psi, n, stage)["total"],
+            analytic.model_state_bytes(psi, n, stage, analytic.mixed_precision_adam())["total"])
 
 
 def loss_curves(steps: int = 300, world_size: int = 2) -> dict:
@@ -107,10 +107,7 @@ def run_precision_report(world_size: int = 2, markdown: str | None = None, plot:
         tail = losses[-20:]
         lines.append(f"| {label} | {sum(tail) / len(tail):.4f} |")
     text = "\n".join(lines)
-    print(text)
-    if markdown:
-        with open(markdown, "w") as f:
-            f.write(text + "\n")
+    write_report(text, markdown)
     if plot:
         plot_losses(curves, plot, n)
     return {"rows": res, "curves": curves}

@@ -12,17 +12,10 @@ from minifsdp import analytic, comm
 from minifsdp.launch import launch
 from minifsdp.meter import MemoryMeter
 from minifsdp.models import TinyGPT
-from minifsdp.tour import TOUR_MODEL, _fmt_bytes, plot_memory
+from minifsdp.tour import TOUR_MODEL, _fmt_bytes, plot_memory, write_report
 from minifsdp.train import STRATEGIES, batch, loss_of
 
 PHASES = ("after forward", "peak in backward", "after step", "after zero_grad")
-
-
-def _write(text: str, markdown: str | None) -> None:
-    print(text)
-    if markdown:
-        with open(markdown, "w") as f:
-            f.write(text + "\n")
 
 
 # -- units and payloads --------------------------------------------------------------------------------------
@@ -57,7 +50,7 @@ def run_units_report(world_size: int = 2, markdown: str | None = None) -> list[d
         payload = analytic.collective_payload_bytes(r["padded"], world_size)
         lines.append(f"| {r['unit']} | {r['numel']:,} | {r['padded']:,} | {_fmt_bytes(payload)} | {r['all_gathers']} "
                      f"| {r['reduce_scatters']} | {_fmt_bytes(computed)} | {_fmt_bytes(r['counted'])} |")
-    _write(f"FSDP units of the tour's GPT (blocks as units, reshard after forward), fp32, world size "
+    write_report(f"FSDP units of the tour's GPT (blocks as units, reshard after forward), fp32, world size "
            f"{world_size}, rank 0: the root all-gathers once (it keeps its parameters from forward to "
            f"backward), every other unit twice\n\n" + "\n".join(lines), markdown)
     return rows
@@ -126,7 +119,7 @@ def run_phases_report(world_sizes=(1, 2, 3, 4),
                 shown = "—" if states is None else _fmt_bytes(states)
                 lines.append(f"| {n} | {name} | {phase} | {cells} | {shown} |")
                 bars.append((f"{name}\n{phase.replace('after ', '')}", m, states or 0))
-    _write(f"Memory per rank (rank 0) at each phase of one step: tour GPT (Ψ = {psi:,}), AdamW, CPU; "
+    write_report(f"Memory per rank (rank 0) at each phase of one step: tour GPT (Ψ = {psi:,}), AdamW, CPU; "
            f"analytic model states per the ZeRO stage (for FSDP: 16Ψ/N over the padded units, plus the full "
            f"buffer of every unit still unsharded)\n\n" + "\n".join(lines), markdown)
     if plot:

@@ -68,6 +68,14 @@ def strategy_rows(name: str, per_rank: list[dict], oracle: list[dict], optimizer
     return rows
 
 
+def write_report(text: str, markdown: str | None) -> None:
+    """Print a report, and write it to `markdown` too when a path is given (the docs include that file)."""
+    print(text)
+    if markdown:
+        with open(markdown, "w") as f:
+            f.write(text + "\n")
+
+
 def _fmt_bytes(b) -> str:
     if b is None:
         return "-"
@@ -142,10 +150,7 @@ def run_tour(world_size: int = 2, steps: int = 5, device: str = "cpu", plot: str
         note += "" if ours else "; its collectives do not pass through minifsdp's counter"
         sections.append(f"### {name}{note}\n\n{format_table(rows, counted=ours)}")
     text = "\n\n".join(sections)
-    print(text)
-    if markdown:
-        with open(markdown, "w") as f:
-            f.write(text + "\n")
+    write_report(text, markdown)
     if plot:
         bars = [(name, results[0][name]["peak_by_category"], tables[name][0]["states_analytic"])
                 for name in strategies]
@@ -192,10 +197,7 @@ def run_memory_report(strategies=("ddp",), world_sizes=(1, 2, 3, 4), steps: int 
                      f"| {r['time_vs_first']:.2f} |")
     text = (f"tiny GPT (Ψ = {rows[0]['psi']:,}), {optimizer}, global batch 12, per rank (rank 0), CPU\n\n"
             + "\n".join(lines))
-    print(text)
-    if markdown:
-        with open(markdown, "w") as f:
-            f.write(text + "\n")
+    write_report(text, markdown)
     if plot:
         label = (lambda r: f"N={r['world_size']}") if len(strategies) == 1 else \
             (lambda r: f"{r['strategy']}\nN={r['world_size']}")
@@ -241,8 +243,5 @@ def run_partition_report(world_sizes=(2, 3, 4, 5, 6, 7, 8), markdown: str | None
               for r in rows]
     text = "Largest rank's share of the parameters (and so of the optimizer state) over the mean share\n\n" + \
         "\n".join(lines)
-    print(text)
-    if markdown:
-        with open(markdown, "w") as f:
-            f.write(text + "\n")
+    write_report(text, markdown)
     return rows

@@ -13,7 +13,6 @@ The reference strategy "single" trains one process on the whole global batch.
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from typing import Callable, NamedTuple
 
@@ -22,7 +21,7 @@ import torch.nn as nn
 
 from minifsdp import comm
 from minifsdp.ddp import DistributedDataParallel
-from minifsdp.launch import current_device
+from minifsdp.launch import current_device, threads_per_rank
 from minifsdp.meter import MemoryMeter
 from minifsdp.mixed_precision import ShardedGradScaler
 from minifsdp.oss import OSS
@@ -196,7 +195,7 @@ def train(strategy: str = "ddp", model: str = "gpt", optimizer: str = "adamw", s
     psi = sum(p.numel() for p in net.parameters())  # before any wrapper replaces them with shards
     find_unused = model == "toy"  # the toy model leaves a parameter unused in some steps
     if emulated:  # CPU kernels split their sums by thread: use as many threads as each of n ranks would get
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // n))
+        torch.set_num_threads(threads_per_rank(n))
     if single or emulated:
         wrapped, opt = net, OPTIMIZERS[optimizer](net.parameters())
     else:
