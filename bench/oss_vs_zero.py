@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from interleave import rank_batch, time_interleaved
 from minifsdp import OSS, GPTConfig, MemoryMeter, TinyGPT, launch
-from minifsdp.meter import optimizer_tensors
+from minifsdp.measure.meter import optimizer_tensors
 from minifsdp.train import max_abs_diff
 
 ADAMW = dict(lr=1e-3, weight_decay=0.1)

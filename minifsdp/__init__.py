@@ -1,25 +1,32 @@
 """minifsdp: fully sharded data parallel training, built up chapter by chapter.
 
     from minifsdp import launch, DistributedDataParallel, MemoryMeter, comm
+
+The package, one sub-package per idea:
+    distributed/  launch (the one place ranks start), comm (the one place they talk), mesh
+    ddp/          chapter 1: collectives and DistributedDataParallel
+    zero/         chapters 3-4: ZeRO-1 and ZeRO-2 (OSS, ShardedDataParallel, and the flat design)
+    fsdp/         chapters 5-10: ZeRO-3 (FlatParameter, the runtime, prefetch, training options)
+    measure/      chapters 2, 7: the meter, the analytic model, timelines (they observe; nothing above
+                  imports them)
+    reports/      the tour and every chapter's report
+    course/       student copies and grading
+and beside them the models, the training harness (train.py), mixed precision (chapter 8) and events.py.
 """
 
-from minifsdp import analytic, comm
 from minifsdp.ddp import DDP, DistributedDataParallel, all_reduce_by_parts
-from minifsdp.launch import RankFailedError, current_device, launch
-from minifsdp.flat import FlatOSS, FlatShardedDataParallel
+from minifsdp.distributed import RankFailedError, comm, current_device, launch
 from minifsdp.fsdp import FSDP, BackwardPrefetch, FullyShardedDataParallel, ModuleWrapPolicy, SizeBasedWrapPolicy
-from minifsdp.meter import MemoryMeter
+from minifsdp.measure import MemoryMeter, Timeline, analytic
 from minifsdp.mixed_precision import CPUOffload, MixedPrecision, ShardedGradScaler
-from minifsdp.oss import OSS
-from minifsdp.timeline import Timeline
-from minifsdp.sdp import SDP, ShardedDataParallel
 from minifsdp.models import GPTConfig, TinyGPT, ToyModel, gpt_batch, toy_batch
 from minifsdp.state_dict import get_full_state_dict, set_full_state_dict
+from minifsdp.zero import OSS, SDP, FlatOSS, FlatShardedDataParallel, ShardedDataParallel
 
 __version__ = "0.1.0"
 
-__all__ = ["BackwardPrefetch", "CPUOffload", "MixedPrecision", "ShardedGradScaler", "Timeline", "DDP", "DistributedDataParallel", "FSDP", "FlatOSS", "FlatShardedDataParallel",
-           "FullyShardedDataParallel", "ModuleWrapPolicy", "SizeBasedWrapPolicy", "get_full_state_dict",
-           "set_full_state_dict", "GPTConfig", "MemoryMeter", "OSS", "RankFailedError", "SDP", "ShardedDataParallel", "TinyGPT",
-           "ToyModel", "all_reduce_by_parts", "analytic", "comm", "current_device", "gpt_batch", "launch",
-           "toy_batch"]
+__all__ = ["BackwardPrefetch", "CPUOffload", "MixedPrecision", "ShardedGradScaler", "Timeline", "DDP",
+           "DistributedDataParallel", "FSDP", "FlatOSS", "FlatShardedDataParallel", "FullyShardedDataParallel",
+           "ModuleWrapPolicy", "SizeBasedWrapPolicy", "get_full_state_dict", "set_full_state_dict", "GPTConfig",
+           "MemoryMeter", "OSS", "RankFailedError", "SDP", "ShardedDataParallel", "TinyGPT", "ToyModel",
+           "all_reduce_by_parts", "analytic", "comm", "current_device", "gpt_batch", "launch", "toy_batch"]

@@ -91,38 +91,38 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parser.parse_args(argv)
     if args.command == "tour":
-        from minifsdp.tour import run_tour
+        from minifsdp.reports.tour import run_tour
         run_tour(world_size=args.world_size, steps=args.steps, device=args.device, plot=args.plot,
                  markdown=args.markdown)
     elif args.command == "memory":
-        from minifsdp.tour import run_memory_report
+        from minifsdp.reports.tour import run_memory_report
         run_memory_report(strategies=args.strategies, world_sizes=args.world_sizes, steps=args.steps, plot=args.plot, markdown=args.markdown, bars=args.bars)
     elif args.command == "partition":
-        from minifsdp.tour import run_partition_report
+        from minifsdp.reports.tour import run_partition_report
         run_partition_report(world_sizes=args.world_sizes, markdown=args.markdown)
     elif args.command == "units":
-        from minifsdp.reports import run_units_report
+        from minifsdp.reports.phases import run_units_report
         run_units_report(world_size=args.world_size, markdown=args.markdown)
     elif args.command == "phases":
-        from minifsdp.reports import run_phases_report
+        from minifsdp.reports.phases import run_phases_report
         run_phases_report(world_sizes=args.world_sizes, plot=args.plot, markdown=args.markdown)
     elif args.command == "timeline":
-        from minifsdp.overlap import run_timeline_report
+        from minifsdp.reports.overlap import run_timeline_report
         run_timeline_report(world_size=args.world_size, bandwidth=args.bandwidth, latency=args.latency,
                             plot=args.plot, trace=args.trace, markdown=args.markdown)
     elif args.command == "prefetch-memory":
-        from minifsdp.overlap import run_prefetch_memory_report
+        from minifsdp.reports.overlap import run_prefetch_memory_report
         run_prefetch_memory_report(world_sizes=args.world_sizes, markdown=args.markdown)
     elif args.command == "precision":
-        from minifsdp.precision_report import run_precision_report
+        from minifsdp.reports.precision import run_precision_report
         run_precision_report(world_size=args.world_size, markdown=args.markdown, plot=args.plot,
                              curve_steps=args.curve_steps)
     elif args.command == "options":
-        from minifsdp.options import run_options_report
+        from minifsdp.reports.options import run_options_report
         run_options_report(world_size=args.world_size, markdown=args.markdown)
     elif args.command == "demo":
-        from minifsdp.ddp import demo_all_reduce_by_parts
-        from minifsdp.launch import launch
+        from minifsdp.ddp.collectives import demo_all_reduce_by_parts
+        from minifsdp.distributed.launch import launch
         for r in launch(demo_all_reduce_by_parts, world_size=args.world_size, device="cpu"):
             print(r)
     elif args.command == "student":
@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"minifsdp student: {e}", file=sys.stderr)
             return 2
     elif args.command == "grade":
-        from minifsdp.grade import grade
+        from minifsdp.course.grade import grade
         return grade(args.path)
     return 0
 

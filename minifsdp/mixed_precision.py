@@ -31,8 +31,8 @@ from dataclasses import dataclass
 import torch
 from torch.utils._pytree import tree_map
 
-from minifsdp import comm
-from minifsdp.launch import current_device
+from minifsdp.distributed import comm
+from minifsdp.distributed.launch import current_device
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 

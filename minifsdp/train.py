@@ -19,15 +19,15 @@ from typing import Callable, NamedTuple
 import torch
 import torch.nn as nn
 
-from minifsdp import comm
 from minifsdp.ddp import DistributedDataParallel
-from minifsdp.launch import current_device, threads_per_rank
-from minifsdp.meter import MemoryMeter
+from minifsdp.distributed import comm
+from minifsdp.distributed.launch import current_device, threads_per_rank
+from minifsdp.measure.meter import MemoryMeter
 from minifsdp.mixed_precision import ShardedGradScaler
-from minifsdp.oss import OSS
-from minifsdp.sdp import ShardedDataParallel
 from minifsdp.models import GPTConfig, TinyGPT, ToyModel, gpt_batch, toy_batch
 from minifsdp.state_dict import get_full_state_dict
+from minifsdp.zero.oss import OSS
+from minifsdp.zero.sdp import ShardedDataParallel
 
 # SGD with momentum as well as AdamW: Adam divides by the gradient's own scale, so it hides a gradient
 # that is off by a factor of N; SGD does not.
@@ -39,7 +39,7 @@ OPTIMIZERS: dict[str, Callable] = {name: (lambda params, cls=cls, kw=kw: cls(par
                                    for name, (cls, kw) in OPTIMIZER_SPECS.items()}
 
 
-def _torch_ddp(model, optimizer, find_unused, mp=None, offload=None):
+def _torch_ddp(model, optimizer, find_unused, mp=None, offload=None, group=None):
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
     from torch.nn.parallel.distributed import _MixedPrecision
 
@@ -48,25 +48,27 @@ def _torch_ddp(model, optimizer, find_unused, mp=None, offload=None):
         raise ValueError("torch's DDP takes mixed_precision only on CUDA (it records CUDA events)")
     policy = mp and _MixedPrecision(param_dtype=mp.param_dtype, reduce_dtype=mp.grad_dtype,
                                     buffer_dtype=mp.buffer_dtype)
-    wrapped = TorchDDP(model, find_unused_parameters=find_unused, mixed_precision=policy)
+    wrapped = TorchDDP(model, find_unused_parameters=find_unused, mixed_precision=policy, process_group=group)
     return wrapped, OPTIMIZERS[optimizer](wrapped.parameters())
 
 
-def _ours_ddp(model, optimizer, find_unused, mp=None, offload=None):
+def _ours_ddp(model, optimizer, find_unused, mp=None, offload=None, group=None):
     _no_offload("ddp", offload)
-    wrapped = DistributedDataParallel(model, find_unused_parameters=find_unused, mixed_precision=mp)
+    wrapped = DistributedDataParallel(model, find_unused_parameters=find_unused, mixed_precision=mp,
+                                      process_group=group)
     return wrapped, OPTIMIZERS[optimizer](wrapped.parameters())
 
 
-def _oss(model, optimizer, find_unused, mp=None, offload=None):
+def _oss(model, optimizer, find_unused, mp=None, offload=None, group=None):
     _no_offload("oss", offload)
     cls, kw = OPTIMIZER_SPECS[optimizer]
-    wrapped = DistributedDataParallel(model, find_unused_parameters=find_unused, mixed_precision=mp)
-    return wrapped, OSS(model.parameters(), optim=cls, **kw)
+    wrapped = DistributedDataParallel(model, find_unused_parameters=find_unused, mixed_precision=mp,
+                                      process_group=group)
+    return wrapped, OSS(model.parameters(), optim=cls, group=group, **kw)
 
 
 def _fsdp(reshard_after_forward, overlap=False):
-    def build(model, optimizer, find_unused, mp=None, offload=None):
+    def build(model, optimizer, find_unused, mp=None, offload=None, group=None):
         from minifsdp.fsdp import BACKWARD_PRE, FullyShardedDataParallel, ModuleWrapPolicy
         from minifsdp.models import Block
 
@@ -74,46 +76,48 @@ def _fsdp(reshard_after_forward, overlap=False):
         wrapped = FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({Block, ToyModel}),
                                            reshard_after_forward=reshard_after_forward,
                                            backward_prefetch=BACKWARD_PRE if overlap else None,
-                                           forward_prefetch=overlap, mixed_precision=mp, cpu_offload=offload)
+                                           forward_prefetch=overlap, mixed_precision=mp, cpu_offload=offload,
+                                           process_group=group)
         return wrapped, OPTIMIZERS[optimizer](wrapped.parameters())  # built after wrapping: the shards
     return build
 
 
 def _flat(stage):
-    def build(model, optimizer, find_unused, mp=None, offload=None):
-        from minifsdp.flat import FlatOSS, FlatShardedDataParallel
+    def build(model, optimizer, find_unused, mp=None, offload=None, group=None):
+        from minifsdp.zero import FlatOSS, FlatShardedDataParallel
 
         if mp is not None or offload is not None:
             raise ValueError("the flat ZeRO-1/2 strategies take no mixed_precision or cpu_offload here")
         cls, kw = OPTIMIZER_SPECS[optimizer]
         if stage == 1:  # no DDP underneath: the optimizer reduce-scatters the gradients in step()
-            return model, FlatOSS(model.parameters(), optim=cls, **kw)
-        opt = FlatOSS(model.parameters(), optim=cls, bucket_cap_mb=25, **kw)
+            return model, FlatOSS(model.parameters(), optim=cls, group=group, **kw)
+        opt = FlatOSS(model.parameters(), optim=cls, bucket_cap_mb=25, group=group, **kw)
         return FlatShardedDataParallel(model, opt), opt
     return build
 
 
-def _torch_fsdp2(model, optimizer, find_unused, mp=None, offload=None):
+def _torch_fsdp2(model, optimizer, find_unused, mp=None, offload=None, group=None):
     """torch's own FSDP2: fully_shard each block, then the root -- the same units as our "fsdp"."""
+    from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     options = dict(mp_policy=MixedPrecisionPolicy(param_dtype=mp.param_dtype, reduce_dtype=mp.reduce_dtype)
                    if mp else MixedPrecisionPolicy(),
-                   offload_policy=CPUOffloadPolicy() if offload and offload.offload_params else OffloadPolicy())
+                   offload_policy=CPUOffloadPolicy() if offload and offload.offload_params else OffloadPolicy(),
+                   mesh=None if group is None else DeviceMesh.from_group(group, current_device().type))
 
-    with torch.no_grad():  # fully_shard assumes every rank built the same weights; make it so
-        for t in list(model.parameters()) + list(model.buffers()):
-            comm.broadcast(t, src=0)
+    # fully_shard assumes every rank built the same weights; make it so
+    comm.broadcast_tensors(list(model.parameters()) + list(model.buffers()), src=0, group=group)
     for block in getattr(model, "blocks", []):
         fully_shard(block, **options)
     wrapped = fully_shard(model, **options)
     return wrapped, OPTIMIZERS[optimizer](wrapped.parameters())
 
 
-def _sdp(model, optimizer, find_unused, mp=None, offload=None):
+def _sdp(model, optimizer, find_unused, mp=None, offload=None, group=None):
     _no_offload("sdp", offload)
     cls, kw = OPTIMIZER_SPECS[optimizer]
-    opt = OSS(model.parameters(), optim=cls, **kw)
+    opt = OSS(model.parameters(), optim=cls, group=group, **kw)
     return ShardedDataParallel(model, opt, find_unused_parameters=find_unused, mixed_precision=mp), opt
 
 
@@ -124,7 +128,7 @@ def _no_offload(name, offload):
 
 
 class Strategy(NamedTuple):
-    build: Callable   # (model, optimizer name, find_unused, mp=, offload=) -> (wrapped model, optimizer)
+    build: Callable   # (model, optimizer name, find_unused, mp=, offload=, group=) -> (wrapped model, optimizer)
     stage: int        # ZeRO stage, for the analytic memory model
     comm_passes: int  # bytes per step = comm_passes x Ψ x 4 x (N-1)/N (ring-equivalent)
 
@@ -176,7 +180,7 @@ def train(strategy: str = "ddp", model: str = "gpt", optimizer: str = "adamw", s
           global_batch: int = 12, seed: int = 0, gpt_config: GPTConfig | None = None,
           set_to_none: str = "always", measure: bool = True, rank_seeds: bool = True,
           on_step: Callable[[], None] | None = None, mixed_precision=None, cpu_offload=None,
-          scaler: dict | None = None, emulate_world_size: int = 1) -> dict:
+          scaler: dict | None = None, emulate_world_size: int = 1, group=None) -> dict:
     """Train on this rank; return what the comparisons need (all tensors on the CPU).
 
     rank_seeds: build each rank's model from seed + rank, so the result is only right if the strategy
@@ -187,11 +191,16 @@ def train(strategy: str = "ddp", model: str = "gpt", optimizer: str = "adamw", s
     scaler:      train with a ShardedGradScaler(**scaler) (fp16).
     emulate_world_size: for strategy "emulated" -- one process playing this many ranks, with the casts
                  mixed precision makes (chapter 8's reference; see _emulated_backward).
+    group:       train data-parallel over this process group only (default: every rank); the global batch
+                 is split across the group's ranks, and each rank's model seed is seed + its global rank.
     """
     device = current_device()
     single, emulated = strategy == "single", strategy == "emulated"
-    rank, n = (0, 1) if single else (0, emulate_world_size) if emulated else (comm.rank(), comm.world_size())
-    net = build_model(model, seed + (rank if rank_seeds else 0), gpt_config).to(device)
+    if single or emulated:
+        rank, n, seed_rank = 0, (1 if single else emulate_world_size), 0
+    else:
+        rank, n, seed_rank = comm.rank(group), comm.world_size(group), comm.rank()
+    net = build_model(model, seed + (seed_rank if rank_seeds else 0), gpt_config).to(device)
     psi = sum(p.numel() for p in net.parameters())  # before any wrapper replaces them with shards
     find_unused = model == "toy"  # the toy model leaves a parameter unused in some steps
     if emulated:  # CPU kernels split their sums by thread: use as many threads as each of n ranks would get
@@ -200,7 +209,7 @@ def train(strategy: str = "ddp", model: str = "gpt", optimizer: str = "adamw", s
         wrapped, opt = net, OPTIMIZERS[optimizer](net.parameters())
     else:
         wrapped, opt = STRATEGIES[strategy].build(net, optimizer, find_unused, mp=mixed_precision,
-                                                  offload=cpu_offload)
+                                                  offload=cpu_offload, group=group)
     grad_scaler = ShardedGradScaler(**scaler) if scaler is not None else None
     scale = grad_scaler.scale if grad_scaler else (lambda loss: loss)
     scales = []
@@ -251,6 +260,7 @@ def train(strategy: str = "ddp", model: str = "gpt", optimizer: str = "adamw", s
         "after_step": meter.snapshots.get("after step") if meter else None,
         "allocator": meter.allocator_stats() if meter else {},  # CUDA only: the allocator's own peak
         "comm_bytes": dict(counter.bytes) if counter else {},
+        "comm_bytes_by_group": {g: dict(kinds) for g, kinds in counter.by_group.items()} if counter else {},
         "comm_calls": dict(counter.calls) if counter else {},
         "comm_copies": dict(counter.copies) if counter else {},
         "scales": scales,   # the loss scale each step used (with a scaler)

@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 
 from minifsdp import RankFailedError, comm, launch
-from minifsdp.comm import NoProcessGroupError
 from minifsdp.ddp import DistributedDataParallel
+from minifsdp.distributed.comm import NoProcessGroupError
 from minifsdp.models import ToyModel
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -4,11 +4,18 @@ Tolerance policy (SPEC):
 - against torch's DDP: bit-exact (max |diff| == 0.0) at every world size. Our buckets have the same layout
   as torch's (registration order, then rebuilt in gradient-arrival order after the first step) and we
   average the same way (x * (1/N) before the sum), so gloo adds the same numbers in the same order.
-- against one process on the global batch: 2e-5 absolute after 6 steps. The maths is identical, but the
-  single process takes one mean over the whole batch while DDP averages N per-rank means, so the float
-  roundings differ (a few ulps per step); AdamW's normalisation amplifies them where a gradient is near
-  zero (it divides by the gradient's own scale). Measured: up to 1.1e-5 (AdamW, N = 4), and how much
-  depends on the initial weights; SGD stays near 1e-7.
+- against one process on the global batch, after 6 steps. The maths is identical, but the single process
+  takes one mean over the whole batch while DDP averages N per-rank means (times 1/N, which is inexact for
+  N = 3), so the gradients differ by float rounding, a few ulps.
+  SGD: 2e-5 absolute (measured ~1e-7): it carries a rounding difference over unchanged.
+  AdamW divides each element's step by that element's own gradient scale, so where a gradient is pure
+  rounding noise the two runs may step it in opposite directions: one element can move by up to ~lr per
+  step either way, whatever its gradient. So for AdamW the bound is twofold: every element within
+  2 * lr * steps (what that argument allows), and all but 0.1% of the elements within the SGD tolerance --
+  the divergence must stay confined to the few elements whose gradient is noise. Measured on one machine:
+  1.1e-5 at most; on another (AMD EPYC, 2 cores) 1.5e-4 at N = 3, in 6 of 32,448 elements.
+  Adam's scale invariance would hide a gradient off by a factor of N: the SGD cases are the ones that catch
+  it (and both optimizers are bit-exact against torch's DDP above).
 """
 
 import time
@@ -20,13 +27,15 @@ import torch.distributed as dist
 from minifsdp import RankFailedError, all_reduce_by_parts, comm, launch
 from minifsdp.ddp import DistributedDataParallel
 from minifsdp.models import ToyModel
-from minifsdp.train import OPTIMIZERS, batch, build_model, loss_of, max_abs_diff, train
+from minifsdp.train import OPTIMIZER_SPECS, OPTIMIZERS, batch, build_model, loss_of, max_abs_diff, train
 
 WORLD_SIZES = (1, 2, 3, 4)
 MODELS = ("gpt", "toy")  # tiny GPT with tied embeddings; toy: odd shapes, tied, frozen, unused-in-some-steps
 OPTIMS = ("sgd", "adamw")
 STEPS = 6
 SINGLE_PROCESS_ATOL = 2e-5
+ADAMW_BOUND = 2 * OPTIMIZER_SPECS["adamw"][1]["lr"] * STEPS  # see the module docstring
+ADAMW_OUTLIERS = 1e-3  # the share of elements allowed past SINGLE_PROCESS_ATOL with AdamW
 
 
 # -- all-reduce = reduce-scatter + all-gather ---------------------------------------------------------------
@@ -110,12 +119,22 @@ def test_matches_one_process_on_the_global_batch(ranks, single, n, model, opt):
     reference = single[(model, opt)]
     ours = ranks[n][0]["parity"][(model, opt, "ddp")]
     diff = max_abs_diff(ours["params"], reference["params"])
-    assert diff <= SINGLE_PROCESS_ATOL
+    if opt == "sgd":
+        assert diff <= SINGLE_PROCESS_ATOL
+    else:
+        assert diff <= ADAMW_BOUND
+        assert outlier_share(ours["params"], reference["params"], SINGLE_PROCESS_ATOL) <= ADAMW_OUTLIERS
     if n == 1:
         assert diff == 0.0  # one rank does exactly what one process does
     # the training really moved the weights, so equality above means something
     start = build_model(model, seed=0).state_dict()
     assert max_abs_diff(reference["params"], start) > 1e-3
+
+
+def outlier_share(a: dict, b: dict, atol: float) -> float:
+    """The share of all elements where the two state dicts differ by more than atol."""
+    diffs = torch.cat([(a[k].float() - b[k].float()).abs().flatten() for k in a])
+    return (diffs > atol).float().mean().item()
 
 
 def test_frozen_params_are_untouched(ranks):

@@ -6,7 +6,7 @@ import torch
 
 from minifsdp import MemoryMeter, analytic, comm, launch
 from minifsdp.ddp import DistributedDataParallel
-from minifsdp.meter import optimizer_tensors
+from minifsdp.measure.meter import optimizer_tensors
 from minifsdp.models import GPTConfig, TinyGPT, ToyModel, gpt_batch
 from minifsdp.train import OPTIMIZERS, train
 

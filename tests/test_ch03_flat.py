@@ -24,9 +24,9 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from minifsdp import MemoryMeter, comm, launch
-from minifsdp.flat import ALIGN_BYTES, FlatOSS
 from minifsdp.models import count_params
 from minifsdp.train import OPTIMIZER_SPECS, batch, build_model, loss_of, max_abs_diff
+from minifsdp.zero.flat import ALIGN_BYTES, FlatOSS
 
 WORLD_SIZES = (1, 2, 3, 4)
 ATOL = {1: 0.0, 2: 0.0, 3: 1e-6, 4: 1e-6}  # see the module docstring

@@ -13,11 +13,11 @@ import torch.distributed as dist
 
 from minifsdp import OSS, RankFailedError, analytic, comm, launch
 from minifsdp.ddp import DistributedDataParallel
-from minifsdp.meter import optimizer_tensors
+from minifsdp.measure.meter import optimizer_tensors
 from minifsdp.models import TinyGPT
-from minifsdp.oss import imbalance, partition_by_order, partition_parameters
-from minifsdp.tour import TOUR_MODEL
+from minifsdp.reports.tour import TOUR_MODEL
 from minifsdp.train import OPTIMIZER_SPECS, batch, build_model, loss_of, max_abs_diff, train
+from minifsdp.zero.oss import imbalance, partition_by_order, partition_parameters
 
 WORLD_SIZES = (1, 2, 3, 4)
 MODELS = ("gpt", "toy")

@@ -6,7 +6,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from minifsdp import MemoryMeter, comm, launch
-from minifsdp.flat_param import FlatParameter
+from minifsdp.fsdp.flat_param import FlatParameter
 
 WORLD_SIZES = (1, 2, 3, 4)
 

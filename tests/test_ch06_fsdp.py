@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 
 from minifsdp import RankFailedError, comm, launch
-from minifsdp.fsdp import FullyShardedDataParallel as FSDP, ModuleWrapPolicy, SizeBasedWrapPolicy
+from minifsdp.fsdp import FullyShardedDataParallel as FSDP
+from minifsdp.fsdp import ModuleWrapPolicy, SizeBasedWrapPolicy
 from minifsdp.models import Block, TinyGPT
 from minifsdp.train import OPTIMIZERS, batch, build_model, loss_of, max_abs_diff
 
@@ -47,7 +48,7 @@ def against_fsdp2():
     from torch.distributed.fsdp import fully_shard
 
     from minifsdp import MemoryMeter
-    from minifsdp.tour import TOUR_MODEL
+    from minifsdp.reports.tour import TOUR_MODEL
     from minifsdp.train import STRATEGIES
 
     n, r = dist.get_world_size(), dist.get_rank()
@@ -134,7 +135,7 @@ def unused_in_some_steps():
 def chapter_cases():
     out = {"toy": {k: toy_and_state_dict(k) for k in ("fsdp", "ddp")}, "unused": unused_in_some_steps()}
     if dist.get_world_size() in (2, 3):
-        from minifsdp.reports import _one_fsdp_step, _phases
+        from minifsdp.reports.phases import _one_fsdp_step, _phases
 
         out["phases"] = _phases(["fsdp", "fsdp_nraf"])
         out["units"] = _one_fsdp_step()
@@ -242,7 +243,7 @@ def test_parameters_unused_in_some_steps(ranks, n):
 # -- memory at each phase, units, torch's FSDP2 -------------------------------------------------------------------
 @pytest.mark.parametrize("n", (2, 3))
 def test_memory_at_each_phase_equals_the_analytic_model(ranks, n):
-    from minifsdp.reports import fsdp_param_bytes
+    from minifsdp.reports.phases import fsdp_param_bytes
 
     for r in range(n):
         raf, nraf = ranks[n][r]["phases"]["fsdp"], ranks[n][r]["phases"]["fsdp_nraf"]
@@ -264,7 +265,7 @@ def test_memory_at_each_phase_equals_the_analytic_model(ranks, n):
 
 @pytest.mark.parametrize("n", (2, 3))
 def test_each_units_bytes_counted_equal_computed(ranks, n):
-    from minifsdp.comm import ring_bytes
+    from minifsdp.distributed.comm import ring_bytes
 
     for row in ranks[n][0]["units"]:
         assert row["all_gathers"] == (1 if row["unit"] == "(root)" else 2) and row["reduce_scatters"] == 1

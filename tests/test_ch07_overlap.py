@@ -13,11 +13,11 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from minifsdp import RankFailedError, comm, launch
-from minifsdp.fsdp import BACKWARD_POST, BACKWARD_PRE, AllGatherLimiter, BackwardPrefetch
-from minifsdp.fsdp import FullyShardedDataParallel as FSDP, ModuleWrapPolicy
+from minifsdp.fsdp import BACKWARD_POST, BACKWARD_PRE, AllGatherLimiter, BackwardPrefetch, ModuleWrapPolicy
+from minifsdp.fsdp import FullyShardedDataParallel as FSDP
+from minifsdp.measure.timeline import Span, Timeline, hidden_fraction, lane_time, plot_timeline, write_chrome_trace
 from minifsdp.models import Block, GPTConfig
-from minifsdp.overlap import MODES, build, expected_full_units, full_buffers, measure_prefetch_memory, step
-from minifsdp.timeline import Span, Timeline, hidden_fraction, lane_time, plot_timeline, write_chrome_trace
+from minifsdp.reports.overlap import MODES, build, expected_full_units, full_buffers, measure_prefetch_memory, step
 from minifsdp.train import OPTIMIZERS, batch, loss_of
 
 WORLD_SIZES = (1, 2, 3, 4)

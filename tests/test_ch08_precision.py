@@ -24,7 +24,8 @@ import torch.distributed as dist
 
 from minifsdp import launch
 from minifsdp.ddp import DistributedDataParallel as DDP
-from minifsdp.fsdp import FullyShardedDataParallel as FSDP, ModuleWrapPolicy
+from minifsdp.fsdp import FullyShardedDataParallel as FSDP
+from minifsdp.fsdp import ModuleWrapPolicy
 from minifsdp.mixed_precision import CPUOffload, MixedPrecision, ShardedGradScaler
 from minifsdp.models import Block, TinyGPT
 from minifsdp.train import OPTIMIZER_SPECS, batch, loss_of, max_abs_diff, train

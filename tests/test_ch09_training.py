@@ -21,10 +21,11 @@ import torch
 import torch.distributed as dist
 
 from minifsdp import MemoryMeter, comm, launch
-from minifsdp.checkpointing import checkpoint_module
-from minifsdp.options import CONFIG, checkpointing
-from minifsdp.fsdp import FullyShardedDataParallel as FSDP, ModuleWrapPolicy
+from minifsdp.fsdp import FullyShardedDataParallel as FSDP
+from minifsdp.fsdp import ModuleWrapPolicy
+from minifsdp.fsdp.checkpointing import checkpoint_module
 from minifsdp.models import Block, GPTConfig, TinyGPT, init_weights
+from minifsdp.reports.options import CONFIG, checkpointing
 from minifsdp.state_dict import get_full_state_dict
 from minifsdp.train import OPTIMIZERS, STRATEGIES, batch, build_model, loss_of, max_abs_diff
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from minifsdp.course import find_exercises, strip_solutions, write_student_copy
-from minifsdp.grade import chapter_test_files, grade, run_chapter_tests
+from minifsdp.course.grade import chapter_test_files, grade, run_chapter_tests
 
 REPO = Path(__file__).resolve().parents[1]
 REMOVAL_TIMEOUT = 300  # seconds for one chapter's tests with one exercise removed

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import contextlib
 
-from minifsdp import analytic, comm
-from minifsdp.launch import launch
-from minifsdp.meter import MemoryMeter
+from minifsdp.distributed import comm
+from minifsdp.distributed.launch import launch
+from minifsdp.measure import analytic
+from minifsdp.measure.meter import MemoryMeter
 from minifsdp.models import TinyGPT
-from minifsdp.tour import TOUR_MODEL, _fmt_bytes, plot_memory, write_report
+from minifsdp.reports.format import fmt_bytes, plot_memory, write_report
+from minifsdp.reports.tour import TOUR_MODEL
 from minifsdp.train import STRATEGIES, batch, loss_of
 
 PHASES = ("after forward", "peak in backward", "after step", "after zero_grad")
@@ -48,8 +50,8 @@ def run_units_report(world_size: int = 2, markdown: str | None = None) -> list[d
         computed = calls * comm.ring_bytes("all_gather", r["padded"] * 4, world_size)
         r["computed"] = computed
         payload = analytic.collective_payload_bytes(r["padded"], world_size)
-        lines.append(f"| {r['unit']} | {r['numel']:,} | {r['padded']:,} | {_fmt_bytes(payload)} | {r['all_gathers']} "
-                     f"| {r['reduce_scatters']} | {_fmt_bytes(computed)} | {_fmt_bytes(r['counted'])} |")
+        lines.append(f"| {r['unit']} | {r['numel']:,} | {r['padded']:,} | {fmt_bytes(payload)} | {r['all_gathers']} "
+                     f"| {r['reduce_scatters']} | {fmt_bytes(computed)} | {fmt_bytes(r['counted'])} |")
     write_report(f"FSDP units of the tour's GPT (blocks as units, reshard after forward), fp32, world size "
            f"{world_size}, rank 0: the root all-gathers once (it keeps its parameters from forward to "
            f"backward), every other unit twice\n\n" + "\n".join(lines), markdown)
@@ -115,8 +117,8 @@ def run_phases_report(world_sizes=(1, 2, 3, 4),
                     units = results[n][name]["units"]
                     alive = [u for u, _ in units] if name == "fsdp_nraf" else ["(root)"]
                     states += fsdp_param_bytes(units, n, alive) - model["params"]
-                cells = " | ".join(_fmt_bytes(m[c]) for c in ("params", "grads", "optim", "other", "total"))
-                shown = "—" if states is None else _fmt_bytes(states)
+                cells = " | ".join(fmt_bytes(m[c]) for c in ("params", "grads", "optim", "other", "total"))
+                shown = "—" if states is None else fmt_bytes(states)
                 lines.append(f"| {n} | {name} | {phase} | {cells} | {shown} |")
                 bars.append((f"{name}\n{phase.replace('after ', '')}", m, states or 0))
     write_report(f"Memory per rank (rank 0) at each phase of one step: tour GPT (Ψ = {psi:,}), AdamW, CPU; "

@@ -18,6 +18,13 @@ unshard(async_op=True) only *starts* the all-gather and returns: a prefetch (cha
 -- which the next unshard() calls -- waits for it and only then makes the views. On a GPU the all-gather
 runs on a stream of its own, so it does not queue behind the compute already issued.
 
+So a FlatParameter is always in one of three states (`state`, as in PyTorch's FSDP2):
+    SHARDED     only the shard holds memory; the originals are empty tensors
+    UNSHARDING  the all-gather is in flight into the allocated buffer; the originals are still empty
+    UNSHARDED   the buffer holds the full parameters; the originals are views into it
+unshard() goes SHARDED -> UNSHARDING, wait_unshard() UNSHARDING -> UNSHARDED, reshard() back to SHARDED
+(waiting first if the network is still writing into the buffer).
+
 reshard(): free the buffer's memory -- its *storage* is resized to zero, so autograd's saved views stay
 valid objects while costing nothing -- and let the parameter point at the shard again. The next unshard
 re-allocates the storage and all-gathers into it, in place, so those saved views see the data again.
@@ -30,23 +37,25 @@ averaged gradient: the shape of the parameter the optimizer steps.
 from __future__ import annotations
 
 import contextlib
+import enum
 
 import torch
 import torch.nn as nn
 
-from minifsdp import comm
-from minifsdp.meter import storage_resized
+from minifsdp import events
+from minifsdp.distributed import comm
+from minifsdp.zero.flat import flat_layout
 
 
 # --8<-- [start:storage]
 def _free_storage(t: torch.Tensor) -> None:
     t.untyped_storage().resize_(0)
-    storage_resized(t.untyped_storage())
+    events.emit(events.STORAGE_RESIZED, t.untyped_storage())  # no op reports a resize: say it (the meter listens)
 
 
 def _alloc_storage(t: torch.Tensor) -> None:
     t.untyped_storage().resize_(t.numel() * t.element_size())
-    storage_resized(t.untyped_storage())
+    events.emit(events.STORAGE_RESIZED, t.untyped_storage())
 # --8<-- [end:storage]
 
 
@@ -84,16 +93,26 @@ def sync_all_gathers(device: torch.device) -> None:
 # --8<-- [end:streams]
 
 
+# --8<-- [start:state]
+class ShardState(enum.Enum):
+    SHARDED = "sharded"
+    UNSHARDING = "all-gather in flight"
+    UNSHARDED = "unsharded"
+# --8<-- [end:state]
+
+
 class FlatParameter:
     """The parameters of one unit as one sharded flat tensor. `param` is what the optimizer steps.
 
     places: (module, attribute name) of each original parameter; a tied parameter appears at several
             places but is stored once (its places all get the same view).
+    group:  the process group the unit is sharded over (default: every rank).
     """
 
     # --8<-- [start:init]
-    def __init__(self, places: list[tuple[nn.Module, str]], requires_grad: bool = True):
-        self.rank, self.world_size = comm.rank(), comm.world_size()
+    def __init__(self, places: list[tuple[nn.Module, str]], requires_grad: bool = True, group=None):
+        self.group = group
+        self.rank, self.world_size = comm.rank(group), comm.world_size(group)
         self.places = places
         params, self.index = [], []  # index[i]: which of `params` the i-th place shows
         for module, name in places:
@@ -105,9 +124,12 @@ class FlatParameter:
         self.numels = [p.numel() for p in params]
         self.numel = sum(self.numels)
         # BEGIN EXERCISE 5.1: flatten, pad to a multiple of N, keep this rank's shard
-        self.shard_numel = -(-self.numel // self.world_size)  # ceil: every shard the same size
-        padded = torch.zeros(self.shard_numel * self.world_size, dtype=params[0].dtype, device=params[0].device)
-        torch.cat([p.detach().reshape(-1) for p in params], out=padded[: self.numel])  # no second full copy
+        # where each parameter starts, and the size padded so that it cuts into N equal shards
+        self.offsets, padded_numel = flat_layout(self.numels, self.world_size)
+        self.shard_numel = padded_numel // self.world_size
+        padded = torch.zeros(padded_numel, dtype=params[0].dtype, device=params[0].device)
+        for p, offset in zip(params, self.offsets):  # straight into place: no second full copy
+            padded[offset: offset + p.numel()].copy_(p.detach().reshape(-1))
         start = self.rank * self.shard_numel
         shard = padded[start: start + self.shard_numel].clone()  # a copy: `padded`'s memory is released
         # END EXERCISE
@@ -115,9 +137,8 @@ class FlatParameter:
         self._shard = shard                          # the one copy that persists
         self._full = padded                          # becomes the all-gather buffer: no memory while sharded
         _free_storage(self._full)
-        self.is_unsharded = False
-        self._unshard_handle = None                  # an all-gather started, not yet waited for
-        self._views_made = False                     # the originals show the full buffer (wait_unshard)
+        self.state = ShardState.SHARDED
+        self._unshard_handle = None                  # the all-gather in flight (UNSHARDING)
         self.limiter = None                          # FullyShardedDataParallel's rate limiter, if any
         self.name = ""                               # the unit's name, for the byte counter's tags
         self.saved_grad = None                       # see FullyShardedDataParallel._pre_backward
@@ -138,7 +159,7 @@ class FlatParameter:
     def unshard(self, async_op: bool = False) -> None:
         """All-gather the full parameters and point every original parameter at its view into them.
         async_op=True: only start the all-gather (a prefetch); wait_unshard() finishes it."""
-        if not self.is_unsharded:
+        if self.state is ShardState.SHARDED:
             if self.limiter is not None:
                 self.limiter.before_all_gather()
             with _side_stream("all_gather", self._full, after_compute=False):
@@ -146,8 +167,8 @@ class FlatParameter:
                 plain = not self.offload and self.param_dtype == self._shard.dtype
                 self._all_gather_input = self._shard if plain else self._cast_shard()  # chapter 8
                 self._unshard_handle = comm.all_gather(self._full, self._all_gather_input, async_op=True,
-                                                       tag=f"unshard {self.name}")
-            self.is_unsharded = True
+                                                       tag=f"unshard {self.name}", group=self.group)
+            self.state = ShardState.UNSHARDING
         if not async_op:
             self.wait_unshard()
 
@@ -157,33 +178,30 @@ class FlatParameter:
         The views are made here, just before the unit computes, not when a prefetch starts: autograd runs
         the nodes made last first, and views made early would put this unit's gradient behind the
         previous unit's backward, delaying its reduce-scatter and keeping its buffer alive longer."""
-        if self._unshard_handle is not None:
-            handle, self._unshard_handle = self._unshard_handle, None
-            handle.wait()
-            self._all_gather_input = None
-        if self.is_unsharded and not self._views_made:
+        if self.state is ShardState.UNSHARDING:
+            self._unshard_handle.wait()
+            self._unshard_handle = self._all_gather_input = None
             self.param.data = self._full
             self._set_views(use_full=True)
-            self._views_made = True
+            self.state = ShardState.UNSHARDED
     # --8<-- [end:unshard]
 
     # --8<-- [start:reshard]
     def reshard(self) -> None:
         """Back to the shard only: the unsharded buffer's memory is released (its views stay as objects)."""
-        if not self.is_unsharded:
+        if self.state is ShardState.SHARDED:
             return
-        if self._unshard_handle is not None:  # never free a buffer the network is still writing into
+        if self.state is ShardState.UNSHARDING:  # never free a buffer the network is still writing into
             self._unshard_handle.wait()
             self._unshard_handle = self._all_gather_input = None
         self.param.data = self._shard
-        self._views_made = False
         if self._full.is_cuda:
             # The compute stream may still be reading it (the CPU runs ahead): the allocator must not hand
             # this memory to the next all-gather before the compute stream gets past this point.
             self._full.record_stream(torch.cuda.current_stream())
         _free_storage(self._full)
         self._set_views(use_full=False)
-        self.is_unsharded = False
+        self.state = ShardState.SHARDED
         if self.limiter is not None:
             self.limiter.freed(self._full)
     # --8<-- [end:reshard]
@@ -195,7 +213,7 @@ class FlatParameter:
         # checkpointing, chapter 9) computes with these views, and its gradients must reach param.grad.
         with torch.enable_grad():
             if use_full:
-                views = self.param[: self.numel].split(self.numels)
+                views = [self.param[o: o + n] for o, n in zip(self.offsets, self.numels)]
             else:  # sharded: the originals are not usable; empty tensors make a stray use fail loudly
                 views = [torch.empty(0, dtype=self._shard.dtype, device=self._shard.device)] * len(self.numels)
             for (module, name), i in zip(self.places, self.index):
@@ -222,7 +240,8 @@ class FlatParameter:
             # BEGIN EXERCISE 5.2: this rank's shard of the averaged flat gradient, with one reduce-scatter
             full_grad.mul_(1.0 / self.world_size)  # average as DDP does: 1/N first (in place: no second copy)
             grad_shard = full_grad.new_empty(self.shard_numel)
-            handle = comm.reduce_scatter(grad_shard, full_grad, async_op=True, tag=f"reduce_scatter {self.name}")
+            handle = comm.reduce_scatter(grad_shard, full_grad, async_op=True, tag=f"reduce_scatter {self.name}",
+                                         group=self.group)
             # END EXERCISE
         return handle, grad_shard
     # --8<-- [end:reduce_scatter_grad]
@@ -272,7 +291,7 @@ class FlatParameter:
         if self.param_dtype == self._shard.dtype:
             yield
             return
-        if self.is_unsharded:
+        if self.state is not ShardState.SHARDED:
             raise RuntimeError("summon_full_params() gathers the fp32 masters, but this unit holds its "
                                f"{self.param_dtype} parameters now (inside forward or backward): call it "
                                "outside a training step")
@@ -285,3 +304,8 @@ class FlatParameter:
             self.reshard()
             self._full, self.param_dtype = low
     # --8<-- [end:precision]
+
+    @property
+    def is_unsharded(self) -> bool:
+        """Whether the full buffer holds (or is receiving) memory: any state but SHARDED."""
+        return self.state is not ShardState.SHARDED

@@ -15,16 +15,15 @@ from __future__ import annotations
 
 import statistics
 
-from minifsdp import analytic, comm
-from minifsdp.launch import launch
+from minifsdp.distributed import comm
+from minifsdp.distributed.launch import launch
+from minifsdp.measure import analytic
 from minifsdp.models import GPTConfig
+from minifsdp.reports.format import fmt_bytes, plot_memory, write_report
 from minifsdp.train import OPTIMIZERS, STRATEGIES, max_abs_diff, train
 
 TOUR_MODEL = GPTConfig(vocab_size=96, block_size=64, n_layer=4, n_head=4, n_embd=64, tie_weights=True)
 ORACLE = "torch_ddp"
-CATEGORY_COLORS = {"params": "#4c72b0", "grads": "#dd8452", "optim": "#55a868", "other": "#c7c7c7"}
-CATEGORY_LABELS = {"params": "parameters", "grads": "gradients", "optim": "optimizer state",
-                   "other": "activations, temporaries, buffers"}
 
 
 def _train_all(strategies, steps, optimizer, global_batch, config):
@@ -68,62 +67,17 @@ def strategy_rows(name: str, per_rank: list[dict], oracle: list[dict], optimizer
     return rows
 
 
-def write_report(text: str, markdown: str | None) -> None:
-    """Print a report, and write it to `markdown` too when a path is given (the docs include that file)."""
-    print(text)
-    if markdown:
-        with open(markdown, "w") as f:
-            f.write(text + "\n")
-
-
-def _fmt_bytes(b) -> str:
-    if b is None:
-        return "-"
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if abs(b) >= scale:
-            return f"{b / scale:.2f} {unit}"
-    return f"{b:.0f} B"
-
-
 def format_table(rows: list[dict], counted: bool = True) -> str:
     """A Markdown table (readable as plain text too)."""
     head = ("| rank | max abs diff vs torch DDP | peak memory | model states (measured) | model states (analytic) "
             "| activations + other at peak | bytes sent / step | theory | step time |")
     lines = [head, "|" + "---|" * 9]
     for r in rows:
-        sent = _fmt_bytes(r["bytes_per_step"]) if counted else "not counted"
-        lines.append(f"| {r['rank']} | {r['max_diff']:.3g} | {_fmt_bytes(r['peak'])} | {_fmt_bytes(r['states'])} "
-                     f"| {_fmt_bytes(r['states_analytic'])} | {_fmt_bytes(r['other_at_peak'])} | {sent} "
-                     f"| {_fmt_bytes(r['bytes_theory'])} | {r['step_ms']:.1f} ms |")
+        sent = fmt_bytes(r["bytes_per_step"]) if counted else "not counted"
+        lines.append(f"| {r['rank']} | {r['max_diff']:.3g} | {fmt_bytes(r['peak'])} | {fmt_bytes(r['states'])} "
+                     f"| {fmt_bytes(r['states_analytic'])} | {fmt_bytes(r['other_at_peak'])} | {sent} "
+                     f"| {fmt_bytes(r['bytes_theory'])} | {r['step_ms']:.1f} ms |")
     return "\n".join(lines)
-
-
-def plot_memory(named_breakdowns: list[tuple[str, dict, float]], path: str, title: str,
-                peaks: list[float] | None = None, ylabel: str = "MB per rank (rank 0, at peak)") -> None:
-    """Stacked bars of memory by category, one per label, with the analytic model states marked (and,
-    if given, each bar's peak as a dot)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(1.6 + 1.4 * len(named_breakdowns), 4))
-    for i, (label, cats, model_states) in enumerate(named_breakdowns):
-        bottom = 0.0
-        for cat, color in CATEGORY_COLORS.items():
-            ax.bar(i, cats[cat] / 1e6, bottom=bottom, color=color, label=CATEGORY_LABELS[cat] if i == 0 else None)
-            bottom += cats[cat] / 1e6
-        ax.plot([i - 0.4, i + 0.4], [model_states / 1e6] * 2, "k--", lw=1.5,
-                label="analytic model states" if i == 0 else None)
-        if peaks:
-            ax.plot(i, peaks[i] / 1e6, "ko", ms=5, label="peak during the step" if i == 0 else None)
-    ax.set_xticks(range(len(named_breakdowns)), [b[0] for b in named_breakdowns])
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    ax.legend(fontsize=8, loc="upper right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def run_tour(world_size: int = 2, steps: int = 5, device: str = "cpu", plot: str | None = "tour_memory.png",
@@ -190,10 +144,10 @@ def run_memory_report(strategies=("ddp",), world_sizes=(1, 2, 3, 4), steps: int 
              f"at peak | peak | bytes sent / step | theory | step time vs {strategies[0]} |", "|" + "---|" * 11]
     for r in rows:
         m = r["measured"]
-        lines.append(f"| {r['strategy']} | {r['world_size']} | {_fmt_bytes(m['params'])} | {_fmt_bytes(m['grads'])} "
-                     f"| {_fmt_bytes(m['optim'])} | {_fmt_bytes(r['states_analytic'])} "
-                     f"| {_fmt_bytes(r['other_at_peak'])} | {_fmt_bytes(r['peak'])} "
-                     f"| {_fmt_bytes(r['bytes_per_step'])} | {_fmt_bytes(r['bytes_theory'])} "
+        lines.append(f"| {r['strategy']} | {r['world_size']} | {fmt_bytes(m['params'])} | {fmt_bytes(m['grads'])} "
+                     f"| {fmt_bytes(m['optim'])} | {fmt_bytes(r['states_analytic'])} "
+                     f"| {fmt_bytes(r['other_at_peak'])} | {fmt_bytes(r['peak'])} "
+                     f"| {fmt_bytes(r['bytes_per_step'])} | {fmt_bytes(r['bytes_theory'])} "
                      f"| {r['time_vs_first']:.2f} |")
     text = (f"tiny GPT (Ψ = {rows[0]['psi']:,}), {optimizer}, global batch 12, per rank (rank 0), CPU\n\n"
             + "\n".join(lines))
@@ -222,7 +176,7 @@ def run_partition_report(world_sizes=(2, 3, 4, 5, 6, 7, 8), markdown: str | None
     import torch
 
     from minifsdp.models import TinyGPT
-    from minifsdp.oss import imbalance, partition_by_order, partition_parameters
+    from minifsdp.zero.oss import imbalance, partition_by_order, partition_parameters
 
     def report(name, model):
         groups = [{"params": list(model.parameters())}]

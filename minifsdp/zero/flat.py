@@ -1,4 +1,4 @@
-"""Chapters 3 and 4, the flat design: ZeRO-1 and ZeRO-2 laid out as the ZeRO paper and llm.c do.
+"""Chapter 3, the flat design: ZeRO-1 laid out as the ZeRO paper and llm.c do (ZeRO-2 on it: flat_sdp.py).
 
 OSS (FairScale) hands each rank whole parameters, picked greedily by size. The flat design instead lays
 every trainable parameter of a param group end to end in one flat buffer, pads it to a multiple of N,
@@ -17,9 +17,9 @@ ZeRO-1 (FlatOSS alone): backward leaves each rank its full local gradients; step
 into the owned slice's gradient, steps the slice, all-gathers the parameters. Every rank keeps the
 optimizer state of its slice only (8Ψ/N for Adam instead of 8Ψ).
 
-ZeRO-2 (FlatShardedDataParallel): the reduce-scatter moves into backward, bucket by bucket, as DDP's
-all-reduce does; once a bucket is sent, its params' full .grad is freed, so a rank ends backward holding
-only the gradients of its slice (4Ψ/N instead of 4Ψ). step() then only steps and all-gathers.
+ZeRO-2 (FlatShardedDataParallel, flat_sdp.py): the reduce-scatter moves into backward, bucket by bucket,
+as DDP's all-reduce does; once a bucket is sent, its params' full .grad is freed, so a rank ends backward
+holding only the gradients of its slice (4Ψ/N instead of 4Ψ). step() then only steps and all-gathers.
 
 Layout. With bucket_cap_mb=None a group is one bucket; otherwise it is cut into consecutive buckets of
 about that size, in reverse registration order (the order backward produces gradients). Inside a bucket
@@ -35,9 +35,9 @@ is None. The two agree whenever every trainable parameter gets a gradient. Optim
 element-wise (per-tensor norms: LAMB, Adafactor) see a slice instead of a parameter and legitimately
 differ.
 
-Run it on 2 CPU ranks (`demo` below: a tiny GPT, 3 steps of ZeRO-2 with AdamW):
+Run it on 2 CPU ranks (`demo` in flat_sdp.py: a tiny GPT, 3 steps of ZeRO-2 with AdamW):
 
-    python -c "from minifsdp import launch; from minifsdp.flat import demo; print(launch(demo, world_size=2))"
+    python -c "from minifsdp import launch; from minifsdp.zero.flat_sdp import demo; print(launch(demo, world_size=2))"
 """
 
 from __future__ import annotations
@@ -47,9 +47,8 @@ import math
 import torch
 import torch.nn as nn
 
-from minifsdp import comm
-from minifsdp.ddp import DistributedDataParallel, _pack, _params_reached_from
-
+from minifsdp.ddp.ddp import _pack
+from minifsdp.distributed import comm
 
 # --8<-- [start:layout]
 # Each param starts on a 64-byte boundary, as it would in a tensor of its own: CPU matrix kernels take
@@ -57,15 +56,22 @@ from minifsdp.ddp import DistributedDataParallel, _pack, _params_reached_from
 ALIGN_BYTES = 64
 
 
+def flat_layout(numels: list[int], world_size: int, align: int = 1) -> tuple[list[int], int]:
+    """Tensors of `numels` elements end to end in one flat buffer: where each starts (on a multiple of
+    `align` elements), and the buffer's size, padded to N equal chunks (and to `align`, so that a buffer
+    laid out after this one starts aligned too). The one flattening rule of every flat design here:
+    FlatOSS's buckets, and FSDP's FlatParameter (chapter 5)."""
+    offsets, end = [], 0
+    for numel in numels:
+        offsets.append(-(-end // align) * align)
+        end = offsets[-1] + numel
+    unit = math.lcm(align, world_size)  # a multiple of N, and the next buffer starts aligned
+    return offsets, -(-end // unit) * unit
+
+
 def _layout(params: list[nn.Parameter], world_size: int) -> tuple[list[int], int]:
     """Where each param starts in its bucket, and the bucket's padded size (N equal chunks, aligned)."""
-    align = max(1, ALIGN_BYTES // params[0].element_size())
-    offsets, end = [], 0
-    for p in params:
-        offsets.append(-(-end // align) * align)
-        end = offsets[-1] + p.numel()
-    unit = math.lcm(align, world_size)  # a multiple of N, and the next bucket starts aligned
-    return offsets, -(-end // unit) * unit
+    return flat_layout([p.numel() for p in params], world_size, max(1, ALIGN_BYTES // params[0].element_size()))
 # --8<-- [end:layout]
 
 
@@ -98,30 +104,32 @@ class FlatOSS(torch.optim.Optimizer):
     params:        as for any torch optimizer (param groups work; an LR scheduler drives param_groups).
     optim:         the optimizer class that steps this rank's slices, e.g. torch.optim.AdamW.
     bucket_cap_mb: None: one bucket per param group; else buckets of about this size (needed for ZeRO-2).
+    group:         the ranks the slices are spread over (FairScale's name; default: all of them).
     **defaults:    the optimizer's hyper-parameters (lr=..., weight_decay=...).
 
     Do not wrap the model in DDP: step() averages the gradients itself (reduce-scatter), and rank 0's
     values of the parameters are broadcast at construction so that every replica starts the same.
     """
 
-    def __init__(self, params, optim=torch.optim.SGD, bucket_cap_mb: float | None = None, **defaults):
+    def __init__(self, params, optim=torch.optim.SGD, bucket_cap_mb: float | None = None, group=None, **defaults):
         comm.require_process_group()
         self.buckets: list[FlatBucket] | None = None  # add_param_group is allowed until the layout exists
         super().__init__(params, defaults)
-        self.world_size, self.rank = comm.world_size(), comm.rank()
+        self.group = group
+        self.world_size, self.rank = comm.world_size(group), comm.rank(group)
         self.bucket_cap_mb = bucket_cap_mb
         # FlatShardedDataParallel turns this off: it reduce-scatters during backward, into the shards' .grad.
         self.reduce_in_step = True
 
         # The layout must be identical on every rank, or the collectives would mix up slices.
-        comm.assert_same_across_ranks([(f"param_groups[{g}][{i}]", p) for g, group in enumerate(self.param_groups)
-                                       for i, p in enumerate(group["params"])])
+        comm.assert_same_across_ranks([(f"param_groups[{g}][{i}]", p) for g, pg in enumerate(self.param_groups)
+                                       for i, p in enumerate(pg["params"])], group=group)
         # --8<-- [start:buffers]
         cap = math.inf if bucket_cap_mb is None else bucket_cap_mb * 1024 * 1024
         self.buckets, self._buffers = [], []
-        for g, group in enumerate(self.param_groups):
+        for g, param_group in enumerate(self.param_groups):
             # Frozen params are never communicated; a param listed twice is laid out once.
-            trainable = list(dict.fromkeys(p for p in group["params"] if p.requires_grad))
+            trainable = list(dict.fromkeys(p for p in param_group["params"] if p.requires_grad))
             if not trainable:
                 continue
             if len({(p.dtype, p.device) for p in trainable}) > 1:
@@ -145,8 +153,7 @@ class FlatOSS(torch.optim.Optimizer):
         # --8<-- [end:buffers]
         if not self.buckets:
             raise ValueError("FlatOSS got no trainable parameters")
-        for buffer in self._buffers:
-            comm.broadcast(buffer, src=0)
+        comm.broadcast_tensors(self._buffers, src=0, group=group)
 
         self._local = optim([dict(self._hyper(b.group), params=[b.shard]) for b in self.buckets], **defaults)
         # Complete our groups with the class's defaults, so they read like a plain torch optimizer's.
@@ -181,13 +188,13 @@ class FlatOSS(torch.optim.Optimizer):
             if self.reduce_in_step:
                 if b.shard.grad is None:
                     b.shard.grad = torch.empty_like(b.shard)
-                comm.reduce_scatter(b.shard.grad, b.flat_grad(1.0 / self.world_size), tag="grads")
+                comm.reduce_scatter(b.shard.grad, b.flat_grad(1.0 / self.world_size), tag="grads", group=self.group)
             elif b.shard.grad is None:
                 b.shard.grad = torch.zeros_like(b.shard)  # no backward since zero_grad(): a zero gradient
         self._local.step()
         for b in self.buckets:
             # In place (the input is chunk `rank` of the output), as NCCL allows and llm.c does: no copy.
-            comm.all_gather(b.flat, b.shard, tag="params")
+            comm.all_gather(b.flat, b.shard, tag="params", group=self.group)
         # END EXERCISE
         return loss
     # --8<-- [end:step]
@@ -242,7 +249,7 @@ class FlatOSS(torch.optim.Optimizer):
             for key, value in self._local.state.get(b.shard, {}).items():
                 if torch.is_tensor(value) and value.shape == b.shard.shape:
                     full = torch.empty_like(b.flat)
-                    comm.all_gather(full, value.contiguous(), tag="state")
+                    comm.all_gather(full, value.contiguous(), tag="state", group=self.group)
                     for p, start in zip(b.params, b.offsets):
                         state.setdefault(index[p], {})[key] = full[start: start + p.numel()].view_as(p).clone()
                 else:
@@ -272,151 +279,3 @@ class FlatOSS(torch.optim.Optimizer):
             group.update({k: v for k, v in hyper.items() if k != "params"})
         self._local.load_state_dict({"state": local_state, "param_groups": [
             dict(self._hyper(b.group), params=[i]) for i, b in enumerate(self.buckets)]})
-
-
-class FlatShardedDataParallel(nn.Module):
-    """ZeRO-2, flat: reduce-scatter each gradient bucket during backward and free the full gradients.
-
-    module:            built identically on every rank; rank 0's params and buffers are broadcast.
-    flat_optimizer:    a FlatOSS over this module's trainable params, built with a bucket_cap_mb: its
-                       buckets are the units that are reduce-scattered as soon as backward completes them.
-    broadcast_buffers: re-broadcast rank 0's buffers before each forward, as DDP does.
-
-    Parameters the autograd graph of the output does not reach count as ready (a zero gradient) at
-    forward, so every rank launches every bucket, in the same order, and nothing waits forever.
-    """
-
-    def __init__(self, module: nn.Module, flat_optimizer: FlatOSS, broadcast_buffers: bool = True):
-        super().__init__()
-        comm.require_process_group()
-        if not isinstance(flat_optimizer, FlatOSS):
-            raise TypeError(f"FlatShardedDataParallel needs a FlatOSS (it reduce-scatters into the FlatOSS's "
-                            f"flat shards), got {type(flat_optimizer).__name__}. Build one with "
-                            f"FlatOSS(module.parameters(), optim=<optimizer class>, bucket_cap_mb=..., lr=...)")
-        if not flat_optimizer.reduce_in_step:
-            raise ValueError("this FlatOSS already belongs to a FlatShardedDataParallel")
-        if flat_optimizer.bucket_cap_mb is None:
-            raise ValueError("FlatShardedDataParallel needs a FlatOSS built with bucket_cap_mb=...: its buckets "
-                             "are reduce-scattered one by one during backward, and with bucket_cap_mb=None a "
-                             "whole param group would be one bucket, sent only when backward is over")
-        names = {p: n for n, p in module.named_parameters()}
-        trainable = [p for p in module.parameters() if p.requires_grad]
-        in_optimizer = {p for b in flat_optimizer.buckets for p in b.params}
-        for p in trainable:
-            if p not in in_optimizer:
-                raise ValueError(f"parameter {names[p]!r} of the module is not in the FlatOSS: build the FlatOSS "
-                                 f"over this module's parameters")
-        for p in in_optimizer - set(trainable):
-            raise ValueError(f"the FlatOSS holds a parameter of shape {tuple(p.shape)} that is not a trainable "
-                             f"parameter of this module ({names.get(p, 'not in the module')})")
-        self.module, self.optimizer = module, flat_optimizer
-        self.broadcast_buffers = broadcast_buffers
-        self.require_backward_grad_sync = True
-        self.world_size = comm.world_size()
-        comm.assert_same_across_ranks(list(module.named_parameters()) + list(module.named_buffers()))
-        with torch.no_grad():
-            for t in list(module.parameters()) + list(module.buffers()):
-                comm.broadcast(t, src=0)
-
-        # The order backward completes the buckets: the one whose earliest param comes latest goes first.
-        # It depends on the model only, so every rank launches the same collectives in the same order.
-        position = {p: i for i, p in enumerate(trainable)}
-        self._buckets = sorted(flat_optimizer.buckets, key=lambda b: -min(position[p] for p in b.params))
-        self._index_of = {p: i for i, b in enumerate(self._buckets) for p in b.params}
-        self._ready = [0] * len(self._buckets)
-        self._next = 0
-        self._in_flight = []  # (bucket, its reduce-scattered chunk, the flat input kept alive, handle)
-        self._finish_queued = False
-        flat_optimizer.reduce_in_step = False
-        for p in trainable:
-            p.register_post_accumulate_grad_hook(self._on_grad_ready)
-
-    def forward(self, *args, **kwargs):
-        if self.broadcast_buffers:
-            with torch.no_grad():
-                for b in self.module.buffers():
-                    comm.broadcast(b, src=0)
-        out = self.module(*args, **kwargs)
-        if torch.is_grad_enabled() and self.require_backward_grad_sync:
-            self._ready = [0] * len(self._buckets)
-            self._next = 0
-            for p in set(self._index_of) - _params_reached_from(out):
-                self._ready[self._index_of[p]] += 1  # no gradient will come: it counts as a zero one
-        return out
-
-    def _on_grad_ready(self, p: nn.Parameter) -> None:
-        if not self.require_backward_grad_sync:
-            return  # inside no_sync(): the full gradients accumulate locally
-        if not self._finish_queued:
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
-            self._finish_queued = True
-        self._ready[self._index_of[p]] += 1
-        self._launch_ready_buckets()
-
-    # --8<-- [start:launch]
-    def _launch_ready_buckets(self) -> None:
-        self._retire(wait=False)  # inputs of reduce-scatters already done can go now, not at the end
-        while self._next < len(self._buckets) and \
-                self._ready[self._next] == len(self._buckets[self._next].params):
-            bucket = self._buckets[self._next]
-            # BEGIN EXERCISE 4.3: reduce-scatter the bucket's averaged gradients (async), free the full grads
-            flat = bucket.flat_grad(1.0 / self.world_size)
-            chunk = torch.empty_like(bucket.shard)
-            handle = comm.reduce_scatter(chunk, flat, async_op=True, tag=f"bucket{self._next}")
-            for p in bucket.params:
-                p.grad = None  # this rank's chunk of the sum is on its way; the rest is the other ranks' business
-            self._in_flight.append((bucket, chunk, flat, handle))
-            # END EXERCISE
-            self._next += 1
-    # --8<-- [end:launch]
-
-    def _retire(self, wait: bool) -> None:
-        """Hand finished reduce-scatters to the optimizer and drop their inputs (all of them, if `wait`)."""
-        pending = []
-        for bucket, chunk, flat, handle in self._in_flight:
-            if not wait and not handle.is_completed():
-                pending.append((bucket, chunk, flat, handle))
-                continue
-            handle.wait()
-            if bucket.shard.grad is None:
-                bucket.shard.grad = chunk
-            else:  # two synced backward passes without zero_grad(): gradients add up, as in DDP
-                bucket.shard.grad.add_(chunk)
-        self._in_flight = pending
-
-    def _finish(self) -> None:
-        """End of backward: every bucket must have gone out; wait for them all."""
-        self._finish_queued = False
-        if self._next < len(self._buckets):
-            names = {p: n for n, p in self.module.named_parameters()}
-            missing = [names[p] for b in self._buckets[self._next:] for p in b.params if p.grad is None]
-            raise RuntimeError(f"FlatShardedDataParallel: these parameters are reached from the output but got "
-                               f"no gradient in this backward pass, so their buckets were never reduced: {missing}")
-        self._retire(wait=True)
-
-    # Accumulate full gradients locally; the next synced backward reduce-scatters the sum. The switch
-    # is the same attribute as chapter 1's, so its context manager serves here unchanged.
-    no_sync = DistributedDataParallel.no_sync
-
-
-def demo(steps: int = 3) -> dict:
-    """A few ZeRO-2 steps of a tiny GPT on this rank: the losses, and the bytes it holds and sends."""
-    from minifsdp.models import TinyGPT, gpt_batch
-
-    model = TinyGPT(seed=comm.rank())
-    opt = FlatOSS(model.parameters(), optim=torch.optim.AdamW, bucket_cap_mb=0.05, lr=3e-3, weight_decay=0.1)
-    model = FlatShardedDataParallel(model, opt)
-    n, r = comm.world_size(), comm.rank()
-    losses = []
-    with comm.counting() as counter:
-        for step in range(steps):
-            x, y = (t[4 * r: 4 * r + 4] for t in gpt_batch(model.module.config, step, 4 * n))  # 4 samples a rank
-            loss = model(x, y)
-            loss.backward()
-            grad_bytes = sum(b.shard.grad.numel() * b.shard.element_size() for b in opt.buckets)
-            opt.step()
-            opt.zero_grad()
-            losses.append(round(loss.item(), 4))
-    return {"rank": r, "losses": losses, "buckets": len(opt.buckets), "grad_bytes": grad_bytes,
-            "optim_bytes": sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values()),
-            "bytes_per_step": counter.total() / steps}

@@ -12,13 +12,13 @@ import contextlib
 
 import torch
 
-from minifsdp import comm
-from minifsdp.checkpointing import checkpoint_module
+from minifsdp.distributed import comm
+from minifsdp.distributed.launch import launch
 from minifsdp.fsdp import FullyShardedDataParallel, ModuleWrapPolicy
-from minifsdp.launch import launch
-from minifsdp.meter import MemoryMeter
+from minifsdp.fsdp.checkpointing import checkpoint_module
+from minifsdp.measure.meter import MemoryMeter
 from minifsdp.models import Block, GPTConfig, TinyGPT, init_weights
-from minifsdp.tour import _fmt_bytes, write_report
+from minifsdp.reports.format import fmt_bytes, write_report
 from minifsdp.train import OPTIMIZERS, batch, loss_of
 
 CONFIG = GPTConfig(n_layer=4)
@@ -114,20 +114,20 @@ def run_options_report(world_size: int = 2, markdown: str | None = None) -> dict
     for quiet, label in ((False, "reduce-scatter every micro-batch"), (True, "no_sync() until the last")):
         model = acc[quiet]["padded"] if quiet else acc[quiet]["padded"] / n
         what = "4Ψ: every unit's full gradient" if quiet else "4Ψ/N: the gradient shards"
-        lines.append(f"| {label} | {_fmt_bytes(acc[quiet]['bytes'])} | {_fmt_bytes(acc[quiet]['between'])} "
-                     f"| {_fmt_bytes(model)} ({what}) |")
+        lines.append(f"| {label} | {fmt_bytes(acc[quiet]['bytes'])} | {fmt_bytes(acc[quiet]['between'])} "
+                     f"| {fmt_bytes(model)} ({what}) |")
     lines += ["", "**Activation checkpointing**, one step\n",
               "| | all-gathers | bytes sent | alive after forward (activations) | peak of the step |",
               "|---|---|---|---|---|"]
     for order, m in ck.items():
-        lines.append(f"| {order} | {m['all_gathers']} | {_fmt_bytes(m['bytes'])} | {_fmt_bytes(m['kept'])} "
-                     f"| {_fmt_bytes(m['peak'])} |")
+        lines.append(f"| {order} | {m['all_gathers']} | {fmt_bytes(m['bytes'])} | {fmt_bytes(m['kept'])} "
+                     f"| {fmt_bytes(m['peak'])} |")
     lines += ["", "**Deferred initialisation**, while FSDP builds the model\n",
               "| | peak | model |", "|---|---|---|"]
-    lines.append(f"| from full weights | {_fmt_bytes(de['eager']['peak'])} | the whole model first, 4Ψ = "
-                 f"{_fmt_bytes(4 * psi)}, then each unit's flat copy on top |")
-    lines.append(f"| on the meta device | {_fmt_bytes(de['deferred']['peak'])} | at most the shards + one unit twice "
-                 f"(its parameters and its flat copy): ≤ {_fmt_bytes(de['deferred']['padded'] / n + 2 * de['deferred']['unit'])} |")
+    lines.append(f"| from full weights | {fmt_bytes(de['eager']['peak'])} | the whole model first, 4Ψ = "
+                 f"{fmt_bytes(4 * psi)}, then each unit's flat copy on top |")
+    lines.append(f"| on the meta device | {fmt_bytes(de['deferred']['peak'])} | at most the shards + one unit twice "
+                 f"(its parameters and its flat copy): ≤ {fmt_bytes(de['deferred']['padded'] / n + 2 * de['deferred']['unit'])} |")
     text = "\n".join(lines)
     write_report(text, markdown)
     return res

@@ -16,9 +16,9 @@ sits idle during backward and then the GPU sits idle during the network. So, as 
   launched asynchronously, and backward carries on computing the earlier layers meanwhile (overlap);
 - when backward finishes, we wait for the outstanding all-reduces and copy the averages back into .grad.
 
-Run the chapter's demonstration (all-reduce = reduce-scatter + all-gather) on 3 CPU ranks:
-
-    python -m minifsdp demo --world-size 3
+The machinery -- buckets, a hook per parameter, launching complete buckets in order, finishing when
+backward ends -- is shared: ZeRO-2 (zero/sdp.py, zero/flat_sdp.py) subclasses this class and changes only
+how buckets are formed, what launching one does, and what happens to the result.
 """
 
 from __future__ import annotations
@@ -29,33 +29,15 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_leaves
 
-from minifsdp import comm
-from minifsdp.mixed_precision import MixedPrecision, cast_buffers, cast_inputs, check_master_dtype, scaled_losses, \
-    warn_if_unscaled
-
-
-# --8<-- [start:all_reduce_by_parts]
-def all_reduce_by_parts(tensor: torch.Tensor) -> torch.Tensor:
-    """An all-reduce (sum) built from its two halves: reduce-scatter, then all-gather.
-
-    Each rank ends the reduce-scatter owning the sum of one 1/N chunk; the all-gather hands every rank
-    every chunk. Each half sends (N-1)/N of the data per rank, so together 2(N-1)/N: exactly what a ring
-    all-reduce costs. ZeRO is this observation put to work: stop after the first half and each rank holds
-    the reduced gradients of just its own shard.
-    """
-    n = comm.world_size()
-    flat = tensor.reshape(-1)
-    # BEGIN EXERCISE 1.1: all-reduce = reduce-scatter + all-gather (pad so the length divides by N)
-    chunk = -(-flat.numel() // n)  # ceil: pad so every rank's chunk has the same size
-    padded = torch.zeros(chunk * n, dtype=flat.dtype, device=flat.device)
-    padded[: flat.numel()] = flat
-    mine = torch.empty(chunk, dtype=flat.dtype, device=flat.device)
-    comm.reduce_scatter(mine, padded)
-    comm.all_gather(padded, mine)
-    result = padded[: flat.numel()]
-    # END EXERCISE
-    return result.view_as(tensor)
-# --8<-- [end:all_reduce_by_parts]
+from minifsdp.distributed import comm
+from minifsdp.mixed_precision import (
+    MixedPrecision,
+    cast_buffers,
+    cast_inputs,
+    check_master_dtype,
+    scaled_losses,
+    warn_if_unscaled,
+)
 
 
 class _Bucket:
@@ -81,14 +63,18 @@ class DistributedDataParallel(nn.Module):
                             would otherwise never complete, and we raise instead of waiting forever.
     mixed_precision:        chapter 8's MixedPrecision: compute with a param_dtype cast of the fp32
                             parameters, average the gradients in reduce_dtype, step in fp32.
+    process_group:          the ranks that hold replicas (default: all of them); every collective goes to
+                            this group only, so several data-parallel groups can train side by side.
     """
 
     # --8<-- [start:init]
     def __init__(self, module: nn.Module, bucket_cap_mb: float = 25.0, broadcast_buffers: bool = True,
-                 find_unused_parameters: bool = False, mixed_precision: MixedPrecision | None = None):
+                 find_unused_parameters: bool = False, mixed_precision: MixedPrecision | None = None,
+                 process_group=None):
         super().__init__()
         comm.require_process_group()
         self.module = module
+        self.process_group = process_group
         self.mixed_precision = mixed_precision
         check_master_dtype(mixed_precision, module.named_parameters())
         cast_buffers(module, mixed_precision)
@@ -96,11 +82,8 @@ class DistributedDataParallel(nn.Module):
         self.broadcast_buffers = broadcast_buffers
         self.find_unused_parameters = find_unused_parameters
         self.require_backward_grad_sync = True
-        self.world_size = comm.world_size()
-        comm.assert_same_across_ranks(list(module.named_parameters()) + list(module.named_buffers()))
-        with torch.no_grad():
-            for t in list(module.parameters()) + list(module.buffers()):
-                comm.broadcast(t, src=0)
+        self.world_size = comm.world_size(process_group)
+        comm.sync_from_rank0(list(module.named_parameters()) + list(module.named_buffers()), process_group)
 
         self._names = {p: n for n, p in module.named_parameters()}
         self._cap = int(bucket_cap_mb * 1024 * 1024)
@@ -136,9 +119,7 @@ class DistributedDataParallel(nn.Module):
     # --8<-- [start:forward]
     def forward(self, *args, **kwargs):
         if self.broadcast_buffers:
-            with torch.no_grad():
-                for b in self.module.buffers():
-                    comm.broadcast(b, src=0)
+            comm.broadcast_tensors(self.module.buffers(), src=0, group=self.process_group)
         self._scaled_before_forward = scaled_losses()
         out = self._compute(*cast_inputs(self.mixed_precision, args, kwargs))
         if torch.is_grad_enabled() and self.require_backward_grad_sync:
@@ -197,7 +178,8 @@ class DistributedDataParallel(nn.Module):
     def _launch(self, bucket: _Bucket) -> None:
         # BEGIN EXERCISE 1.2: average the bucket's gradients with an async all-reduce
         bucket.flat = self._flatten(bucket)
-        bucket.handle = comm.all_reduce(bucket.flat, async_op=True, tag=f"bucket{self._next}")
+        bucket.handle = comm.all_reduce(bucket.flat, async_op=True, tag=f"bucket{self._next}",
+                                        group=self.process_group)
         # END EXERCISE
     # --8<-- [end:hooks]
 
@@ -209,16 +191,19 @@ class DistributedDataParallel(nn.Module):
         if self._next < len(self._buckets):
             missing = [self._names[p] for b in self._buckets[self._next:] for p in b.params if p.grad is None]
             raise RuntimeError(
-                f"DistributedDataParallel: these parameters received no gradient in this backward pass, so "
+                f"{type(self).__name__}: these parameters received no gradient in this backward pass, so "
                 f"their buckets could never be reduced: {missing}. If some parameters are legitimately unused "
                 f"in a step, pass find_unused_parameters=True.")
+        self._finish_buckets()
+        if not self._rebuilt:
+            self._set_buckets(_pack(self._arrivals, self._cap))
+            self._arrivals, self._rebuilt = [], True
+
+    def _finish_buckets(self) -> None:
         globally_used = self._globally_used() if self.find_unused_parameters else None
         for bucket in self._buckets:
             self._write_back(bucket, globally_used)
             bucket.handle = bucket.flat = None
-        if not self._rebuilt:
-            self._set_buckets(_pack(self._arrivals, self._cap))
-            self._arrivals, self._rebuilt = [], True
 
     def _write_back(self, bucket: _Bucket, globally_used: dict | None) -> None:
         # BEGIN EXERCISE 1.3: wait for the bucket's all-reduce and copy the averages back into .grad
@@ -238,7 +223,7 @@ class DistributedDataParallel(nn.Module):
         """Which parameters got a gradient on at least one rank (one small all-reduce, as torch does)."""
         params = list(self._bucket_of)
         used = torch.tensor([0.0 if p in self._unused else 1.0 for p in params], device=params[0].device)
-        comm.all_reduce(used, tag="used_map")
+        comm.all_reduce(used, tag="used_map", group=self.process_group)
         return {p: bool(u > 0) for p, u in zip(params, used)}
 
     # --8<-- [start:no_sync]
@@ -286,15 +271,3 @@ def _params_reached_from(output) -> set:
             found.add(fn.variable)
         stack.extend(next_fn for next_fn, _ in fn.next_functions)
     return found
-
-
-def demo_all_reduce_by_parts() -> dict:
-    """Each rank contributes (rank+1) * [1, 2, ..., 7]; both ways must give the same sum."""
-    x = (comm.rank() + 1) * torch.arange(1.0, 8.0)
-    expected = x.clone()
-    with comm.counting() as direct:
-        comm.all_reduce(expected)
-    with comm.counting() as parts:
-        result = all_reduce_by_parts(x)
-    return {"rank": comm.rank(), "all_reduce": expected.tolist(), "by_parts": result.tolist(),
-            "bytes_all_reduce": direct.total(), "bytes_by_parts": dict(parts.bytes)}

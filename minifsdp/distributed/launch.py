@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import importlib
 import multiprocessing as mp
 import os
 import pickle
@@ -210,7 +211,9 @@ def _spawn(work, world_size, args, kwargs, device, timeout):
                 "but CUDA is already initialised here and forked ranks could not use their GPUs. Put the "
                 "function in a .py file and import it (then the ranks are spawned fresh), or restart the "
                 "kernel and launch before touching CUDA.")
-        import torch._dynamo  # noqa: F401 -- the first optimizer imports it (~2 s); fork it in, once, instead
+        # the first optimizer imports it (~2 s): fork it in, once, instead. (Not `import torch._dynamo`: that
+        # would make `torch` a local name of this function, unbound in the check above.)
+        importlib.import_module("torch._dynamo")
     ctx = mp.get_context(method)
     if method == "forkserver":  # imported once, by the server, before it forks any rank
         ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "minifsdp"])

@@ -32,6 +32,11 @@ Prefetching changes the order collectives are issued in, never a value.
 Parameters inside a unit that get no gradient in a step get a zero gradient in the flat one (so, unlike
 DDP, momentum and weight decay still act on them); a whole unit must take part in every forward on every
 rank that computes a loss.
+
+The files of the package: flat_param.py (chapter 5: one unit's parameters as a sharded flat tensor),
+wrap.py (which modules become units), this runtime (chapter 6), prefetch.py (chapter 7), training.py
+(chapter 9: no_sync, clipping, deferred init), state_dict.py (full state dicts). Measurement is not
+called from here: the runtime announces compute spans as events (minifsdp/events.py).
 """
 
 from __future__ import annotations
@@ -43,82 +48,25 @@ import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._pytree import tree_leaves
 
-from minifsdp import comm, timeline
-from minifsdp.flat_param import FlatParameter, sync_all_gathers
-from minifsdp.launch import current_device
-from minifsdp.mixed_precision import (CPUOffload, MixedPrecision, cast_buffers, cast_inputs, check_master_dtype,
-                                      scaled_losses, warn_if_unscaled)
-from minifsdp.fsdp_training import TrainingOptions, _broadcast
-from minifsdp.prefetch import BACKWARD_POST, BACKWARD_PRE, AllGatherLimiter, BackwardPrefetch
-
-__all__ = ["FullyShardedDataParallel", "FSDP", "ModuleWrapPolicy", "SizeBasedWrapPolicy", "BackwardPrefetch",
-           "BACKWARD_PRE", "BACKWARD_POST", "AllGatherLimiter"]
-
-
-
-
-# --8<-- [start:policies]
-class ModuleWrapPolicy:
-    """Wrap every submodule whose class is in `classes` (e.g. {Block}) in its own unit."""
-
-    def __init__(self, classes):
-        self.classes = tuple(classes)
-
-    def __call__(self, module: nn.Module, unowned_numel: int) -> bool:
-        return isinstance(module, self.classes)
+from minifsdp import events
+from minifsdp.distributed import comm
+from minifsdp.distributed.launch import current_device
+from minifsdp.fsdp import state_dict, training
+from minifsdp.fsdp.flat_param import FlatParameter, sync_all_gathers
+from minifsdp.fsdp.prefetch import AllGatherLimiter, BackwardPrefetch, ExecutionOrder
+from minifsdp.fsdp.wrap import modules_not_in_units, named_units, wrap_children
+from minifsdp.mixed_precision import (
+    CPUOffload,
+    MixedPrecision,
+    cast_buffers,
+    cast_inputs,
+    check_master_dtype,
+    scaled_losses,
+    warn_if_unscaled,
+)
 
 
-class SizeBasedWrapPolicy:
-    """Wrap a submodule once the parameters not yet in a nested unit reach `min_num_params`."""
-
-    def __init__(self, min_num_params: int = 100_000_000):
-        self.min_num_params = min_num_params
-
-    def __call__(self, module: nn.Module, unowned_numel: int) -> bool:
-        return unowned_numel >= self.min_num_params
-# --8<-- [end:policies]
-
-
-def _unowned_numel(module: nn.Module) -> int:
-    seen = set()
-    for m in _modules_not_in_units(module):
-        for p in m.parameters(recurse=False):
-            seen.add(p)
-    return sum(p.numel() for p in seen)
-
-
-def _modules_not_in_units(module: nn.Module):
-    """`module` and its descendants, stopping at nested units (they own their own subtrees)."""
-    yield module
-    for child in module.children():
-        if not isinstance(child, FullyShardedDataParallel):
-            yield from _modules_not_in_units(child)
-
-
-# --8<-- [start:wrap]
-def _wrap_children(module: nn.Module, policy, uses: dict, prefix: str = "", **kwargs) -> None:
-    """Post-order: wrap the deepest matching submodules first, so outer units own what is left.
-
-    uses: every parameter -> the qualified names it appears under (a tied parameter has several).
-    """
-    for name, child in module.named_children():
-        if isinstance(child, FullyShardedDataParallel):
-            continue
-        path = f"{prefix}{name}."
-        _wrap_children(child, policy, uses, path, **kwargs)
-        if policy(child, _unowned_numel(child)):
-            for p in child.parameters():
-                outside = [n for n in uses[p] if not n.startswith(path)]
-                if outside:
-                    inside = next(n for n in uses[p] if n.startswith(path))
-                    raise ValueError(f"{inside!r} is tied to {outside[0]!r}, but the wrap policy puts them in "
-                                     f"different units: tied parameters must live in the same unit (wrap a "
-                                     f"module that contains both)")
-            setattr(module, name, FullyShardedDataParallel(child, **kwargs))
-# --8<-- [end:wrap]
-
-
-class FullyShardedDataParallel(TrainingOptions, nn.Module):
+class FullyShardedDataParallel(nn.Module):
     """ZeRO-3: every rank keeps 1/N of the parameters, gradients and optimizer state (16Ψ/N with AdamW).
 
     reshard_after_forward: free the full parameters after forward (True: ZeRO-3, all-gather them again
@@ -134,7 +82,10 @@ class FullyShardedDataParallel(TrainingOptions, nn.Module):
                            PyTorch's behaviour.
     mixed_precision, cpu_offload: chapter 8 (minifsdp/mixed_precision.py): compute in bf16/fp16 from fp32
                            master shards; keep the shards in host memory.
+    process_group:         the ranks the parameters are sharded over (default: all of them).
     """
+
+    _fsdp_unit = True  # the walks of wrap.py stop here: this module's subtree is this unit's
 
     # --8<-- [start:init]
     def __init__(self, module: nn.Module, auto_wrap_policy=None, reshard_after_forward: bool = True,
@@ -142,7 +93,8 @@ class FullyShardedDataParallel(TrainingOptions, nn.Module):
                  backward_prefetch: BackwardPrefetch | None = None,
                  forward_prefetch: bool = False, limit_all_gathers: bool = True,
                  param_init_fn=None, device_id: torch.device | None = None,
-                 mixed_precision: MixedPrecision | None = None, cpu_offload: CPUOffload | None = None):
+                 mixed_precision: MixedPrecision | None = None, cpu_offload: CPUOffload | None = None,
+                 process_group=None):
         super().__init__()
         if backward_prefetch is not None and not isinstance(backward_prefetch, BackwardPrefetch):
             raise ValueError(f"backward_prefetch must be BackwardPrefetch.BACKWARD_PRE, .BACKWARD_POST or None, "
@@ -152,26 +104,28 @@ class FullyShardedDataParallel(TrainingOptions, nn.Module):
             raise ValueError(f"{type(module).__name__} is already wrapped in FullyShardedDataParallel; "
                              "wrap each module once (nested units come from auto_wrap_policy)")
         module._fsdp_wrapped = True
+        self.process_group = process_group
         self.reshard_after_forward = reshard_after_forward
         self.backward_prefetch, self.forward_prefetch = backward_prefetch, forward_prefetch
         deferred = any(t.is_meta for t in list(module.parameters()) + list(module.buffers()))
         if sync_module_states:  # every rank starts from rank 0's weights and buffers, as under DDP --
             # before anything is sharded (afterwards each rank's shard is its own, not rank 0's)
-            comm.assert_same_across_ranks(list(module.named_parameters()) + list(module.named_buffers()))
-            _broadcast([t for t in list(module.parameters()) + list(module.buffers()) if not t.is_meta])
+            comm.sync_from_rank0(list(module.named_parameters()) + list(module.named_buffers()), process_group)
         if auto_wrap_policy is not None:
             uses = {}
             for name, p in module.named_parameters(remove_duplicate=False):
                 uses.setdefault(p, []).append(name)
-            _wrap_children(module, auto_wrap_policy, uses, reshard_after_forward=reshard_after_forward,
+            options = dict(reshard_after_forward=reshard_after_forward,
                            sync_module_states=sync_module_states and deferred, backward_prefetch=backward_prefetch,
                            forward_prefetch=forward_prefetch, limit_all_gathers=limit_all_gathers,
-                           param_init_fn=param_init_fn, device_id=device_id,
-                           mixed_precision=mixed_precision, cpu_offload=cpu_offload)
+                           param_init_fn=param_init_fn, device_id=device_id, mixed_precision=mixed_precision,
+                           cpu_offload=cpu_offload, process_group=process_group)
+            wrap_children(module, auto_wrap_policy, uses, lambda child: FullyShardedDataParallel(child, **options))
         self.module = module
         device = device_id or current_device()
         if deferred:  # chapter 9: this unit's own parameters come to life now, and are sharded at once
-            self._materialize_own(param_init_fn, device, sync_module_states)
+            training.materialize(list(modules_not_in_units(module)), param_init_fn, device,
+                                 broadcast=sync_module_states, group=process_group)
         self.mixed_precision = mixed_precision
         check_master_dtype(mixed_precision, module.named_parameters())
         cast_buffers(module, mixed_precision)
@@ -202,19 +156,18 @@ class FullyShardedDataParallel(TrainingOptions, nn.Module):
         self._backward_started = False
         self._sync_gradients = True                    # False inside no_sync()
         self._scaled_before_forward = scaled_losses()  # chapter 8 (root only)
-        self._order = {"forward": [], "backward": []}  # units in the order they ran (root only) ...
-        self._order_recorded = False                   # ... recorded during the first step
+        self._order = ExecutionOrder()                 # units in the order they ran (root only, chapter 7)
     # --8<-- [end:init]
-
 
     # --8<-- [start:flatten_own]
     def _flatten_own_parameters(self) -> list[FlatParameter]:
         """One FlatParameter for the trainable parameters this unit owns, one for the frozen ones."""
         places = {True: [], False: []}
-        for m in _modules_not_in_units(self.module):
+        for m in modules_not_in_units(self.module):
             for name, p in m.named_parameters(recurse=False):
                 places[p.requires_grad].append((m, name))
-        return [FlatParameter(places[rg], requires_grad=rg) for rg in (True, False) if places[rg]]
+        return [FlatParameter(places[rg], requires_grad=rg, group=self.process_group)
+                for rg in (True, False) if places[rg]]
     # --8<-- [end:flatten_own]
 
     # -- forward ----------------------------------------------------------------------------------------------
@@ -225,7 +178,7 @@ class FullyShardedDataParallel(TrainingOptions, nn.Module):
     # --8<-- [start:forward]
     def forward(self, *args, **kwargs):
         root = self._root_unit
-        root._record("forward", self)
+        root._order.record("forward", self)
         if self.is_root:
             self._scaled_before_forward = scaled_losses()  # fp16 without a loss scaler is warned about
             args, kwargs = cast_inputs(self.mixed_precision, args, kwargs)
@@ -235,13 +188,13 @@ class FullyShardedDataParallel(TrainingOptions, nn.Module):
             flat.unshard(async_op=True)  # start our own all-gather (if not prefetched already) ...
         if self.forward_prefetch:
             # BEGIN EXERCISE 7.1: explicit forward prefetch: start the next unit's all-gather before computing
-            self._prefetch(root._next("forward", self))  # ... queue the next unit's behind it ...
+            self._prefetch(self._next("forward"))  # ... queue the next unit's behind it ...
             # END EXERCISE
         for flat in self.flat_params:
             flat.wait_unshard()  # ... and only now block, for ours
-        timeline.compute_begin(f"forward {self.unit_name}")
+        events.emit(events.COMPUTE_BEGIN, f"forward {self.unit_name}")  # for a timeline, if one listens
         out = self.module(*args, **kwargs)
-        timeline.compute_end(f"forward {self.unit_name}")
+        events.emit(events.COMPUTE_END, f"forward {self.unit_name}")
         if self._backward_started:  # a forward recomputed inside our backward (activation checkpointing):
             return out               # our parameters stay for the backward, which has its hooks already
         grads_coming = torch.is_grad_enabled() and any(
@@ -262,19 +215,10 @@ class FullyShardedDataParallel(TrainingOptions, nn.Module):
         return out
     # --8<-- [end:forward]
 
-    # --8<-- [start:order]
-    def _record(self, direction: str, unit: "FullyShardedDataParallel") -> None:
-        """During the first step, note the order units run in (root only). Valid for a static graph."""
-        if not self._order_recorded and unit not in self._order[direction]:
-            self._order[direction].append(unit)
-
-    def _next(self, direction: str, unit: "FullyShardedDataParallel"):
-        """The unit that ran after `unit` in the first step's forward or backward, if known."""
-        order = self._order[direction]
-        if not self._order_recorded or unit not in order:
-            return None
-        i = order.index(unit) + 1
-        nxt = order[i] if i < len(order) else None
+    # --8<-- [start:prefetch]
+    def _next(self, direction: str):
+        """The unit that ran after this one in the first step's forward or backward (chapter 7), if known."""
+        nxt = self._root_unit._order.next(direction, self)
         # in backward, only a unit still to come: the root's backward ends last, after every other unit's
         return None if direction == "backward" and nxt is not None and nxt._backward_started else nxt
 
@@ -284,7 +228,7 @@ class FullyShardedDataParallel(TrainingOptions, nn.Module):
         if unit is not None:
             for flat in unit.flat_params:
                 flat.unshard(async_op=True)
-    # --8<-- [end:order]
+    # --8<-- [end:prefetch]
 
     # -- backward ---------------------------------------------------------------------------------------------
     # --8<-- [start:pre_backward]
@@ -293,7 +237,7 @@ class FullyShardedDataParallel(TrainingOptions, nn.Module):
         if not self._backward_started:
             self._backward_started = True
             root = self._root_unit
-            root._record("backward", self)
+            root._order.record("backward", self)
             if not root._callback_queued:
                 root._callback_queued = True
                 torch.autograd.Variable._execution_engine.queue_callback(root._finish_backward)
@@ -301,25 +245,25 @@ class FullyShardedDataParallel(TrainingOptions, nn.Module):
                 flat.unshard(async_op=True)
             if self.backward_prefetch == BackwardPrefetch.BACKWARD_PRE:
                 # BEGIN EXERCISE 7.2: BACKWARD_PRE: start the next unit's all-gather before our backward compute
-                self._prefetch(root._next("backward", self))
+                self._prefetch(self._next("backward"))
                 # END EXERCISE
             for flat in self.flat_params:
                 flat.wait_unshard()
                 # a gradient shard left from an earlier backward (accumulation) cannot take the full-size
                 # gradient autograd is about to produce: set it aside, add it back at the end
                 flat.saved_grad, flat.param.grad = flat.param.grad, None
-            timeline.compute_begin(f"backward {self.unit_name}")
+            events.emit(events.COMPUTE_BEGIN, f"backward {self.unit_name}")
         return grad
     # --8<-- [end:pre_backward]
 
     # --8<-- [start:post_backward]
     def _post_backward(self, flat: FlatParameter) -> None:
         """The flat gradient is complete: average it across ranks (async) and free the full parameters."""
-        timeline.compute_end(f"backward {self.unit_name}")
+        events.emit(events.COMPUTE_END, f"backward {self.unit_name}")
         if self.backward_prefetch == BackwardPrefetch.BACKWARD_POST:  # ahead of our reduce-scatter
-            self._prefetch(self._root_unit._next("backward", self))
+            self._prefetch(self._next("backward"))
         if not self._sync_gradients or flat.unsharded_grad is not None:  # no_sync() (chapter 9) in play
-            if self._accumulate_unsharded(flat):  # inside the block: nothing is sent
+            if training.accumulate_unsharded(flat, self._sync_gradients):  # inside the block: nothing is sent
                 return
         # BEGIN EXERCISE 6.1: reduce-scatter the flat gradient (async), queue it for the root, reshard
         full_grad = flat.param.grad
@@ -353,9 +297,9 @@ class FullyShardedDataParallel(TrainingOptions, nn.Module):
             for flat in unit.flat_params:  # no reduce-scatter came to add to it (no_sync, or no gradient)
                 if flat.saved_grad is not None:
                     flat.param.grad, flat.saved_grad = flat.saved_grad, None
-        self._order_recorded = True  # the first step has shown the order: prefetching may use it
+        self._order.recorded = True  # the first step has shown the order: prefetching may use it
         for unit in self.units():
-            timeline.compute_end(f"backward {unit.unit_name}")  # a unit without gradients never ended
+            events.emit(events.COMPUTE_END, f"backward {unit.unit_name}")  # a unit without gradients never ended
             unit._backward_started = False
             for flat in unit.flat_params:
                 flat.reshard()  # the root, and any unit whose parameters got no gradient
@@ -384,49 +328,31 @@ class FullyShardedDataParallel(TrainingOptions, nn.Module):
                     flat.reshard()
     # --8<-- [end:summon]
 
-    # --8<-- [start:state_dict]
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The unsharded state dict, with the names the model had before wrapping (on every rank)."""
-        names = {id(m): prefix for prefix, m in _names_without_wrappers(self.module)}
-        out = {}
-        with self.summon_full_params():
-            for prefix, m in _names_without_wrappers(self.module):
-                for name, b in m.named_buffers(recurse=False):
-                    out[prefix + name] = b.detach().clone()
-            for unit in self.units():
-                for flat in unit.flat_params:
-                    for module, name in flat.places:
-                        out[names[id(module)] + name] = getattr(module, name).detach().clone()
-        return out
+        return state_dict.full_state_dict(self)
 
-    def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
-        names = {id(m): prefix for prefix, m in _names_without_wrappers(self.module)}
-        with self.summon_full_params(writeback=True):
-            for prefix, m in _names_without_wrappers(self.module):
-                for name, b in m.named_buffers(recurse=False):
-                    b.copy_(state_dict[prefix + name])
-            for unit in self.units():
-                for flat in unit.flat_params:
-                    for module, name in flat.places:
-                        getattr(module, name).copy_(state_dict[names[id(module)] + name])
-    # --8<-- [end:state_dict]
+    def load_full_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        state_dict.load_full_state_dict(self, sd)
+
+    # -- chapter 9 (training.py) ---------------------------------------------------------------------------------
+    def no_sync(self):
+        """Backward passes inside the block send nothing; the first one after it reduce-scatters the sum."""
+        return training.no_sync(self.units())
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip as torch.nn.utils.clip_grad_norm_ would on the whole model's gradients; returns the norm."""
+        if not self.is_root:
+            raise RuntimeError("clip_grad_norm_() clips the whole model: call it on the root unit")
+        flats = [flat for unit in self.units() for flat in unit.flat_params]
+        return training.clip_grad_norm_(flats, max_norm, norm_type, group=self.process_group)
 
     def units(self) -> list["FullyShardedDataParallel"]:
         return [u for u in self.modules() if isinstance(u, FullyShardedDataParallel)]
 
     def named_units(self) -> list[tuple[str, "FullyShardedDataParallel"]]:
         """(name of the wrapped module as before wrapping, unit) for every unit; the root is ''."""
-        found = [("", self)]
-
-        def walk(module, prefix):
-            for name, child in module.named_children():
-                if isinstance(child, FullyShardedDataParallel):
-                    found.append((prefix + name, child))
-                    child = child.module
-                walk(child, prefix + name + ".")
-
-        walk(self.module, "")
-        return found
+        return named_units(self)
 
 
 FSDP = FullyShardedDataParallel
@@ -451,14 +377,3 @@ def _refuse_flattened_params(optimizer, args, kwargs):
 
 register_optimizer_step_pre_hook(_refuse_flattened_params)
 # --8<-- [end:refuse]
-
-
-
-
-def _names_without_wrappers(module: nn.Module, prefix: str = ""):
-    """(qualified name + ".", module) for every module, as named before wrapping: a unit adds no name."""
-    yield prefix, module
-    for name, child in module.named_children():
-        if isinstance(child, FullyShardedDataParallel):
-            child = child.module
-        yield from _names_without_wrappers(child, prefix + name + ".")

@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import torch
 
-from minifsdp import comm
-from minifsdp.clip import clip_sharded_grad_norm_
+from minifsdp.distributed import comm
+from minifsdp.zero.clip import clip_sharded_grad_norm_
 
 
 # --8<-- [start:partition]
@@ -72,18 +72,20 @@ class OSS(torch.optim.Optimizer):
     param_sync:         how replicas are made current after the step: "broadcast" (each owner broadcasts
                         its parameters, one flat bucket per owner) or "all_gather" (one collective, but
                         every rank's share is padded to the largest share).
+    group:              the ranks the state is sharded over (FairScale's name; default: all of them).
     """
 
     # --8<-- [start:init]
     def __init__(self, params, optim: type[torch.optim.Optimizer] = torch.optim.SGD,
-                 param_sync: str = "broadcast", **defaults):
+                 param_sync: str = "broadcast", group=None, **defaults):
         comm.require_process_group()
         if param_sync not in ("broadcast", "all_gather"):
             raise ValueError(f"param_sync must be 'broadcast' or 'all_gather', not {param_sync!r}")
-        self.rank, self.world_size = comm.rank(), comm.world_size()
+        self.group = group
+        self.rank, self.world_size = comm.rank(group), comm.world_size(group)
         self.optim_class, self.param_sync = optim, param_sync
         super().__init__(params, defaults)  # builds and checks self.param_groups (e.g. duplicates)
-        comm.assert_same_across_ranks([(f"param {i}", p) for i, p in enumerate(self._all_params())])
+        comm.assert_same_across_ranks([(f"param {i}", p) for i, p in enumerate(self._all_params())], group=group)
         self._partition = partition_parameters(self.param_groups, self.world_size)
         self.optim = optim(self._partition[self.rank], **defaults)
         self._fill_defaults()
@@ -104,7 +106,7 @@ class OSS(torch.optim.Optimizer):
         owned, and stepped, by one rank, so each rank sums over its own (ZeRO-2 keeps only those) and
         scales them; minifsdp/clip.py. Returns the total norm before clipping."""
         grads = [p.grad for p in self.owned_params(self.rank) if p.grad is not None]
-        return clip_sharded_grad_norm_(grads, max_norm, norm_type)
+        return clip_sharded_grad_norm_(grads, max_norm, norm_type, group=self.group)
 
     # --8<-- [start:param_groups]
     def add_param_group(self, param_group: dict) -> None:
@@ -145,7 +147,7 @@ class OSS(torch.optim.Optimizer):
                 continue
             # BEGIN EXERCISE 3.2: the owner broadcasts its updated parameters (one flat bucket) to every rank
             flat = _flatten(params) if owner == self.rank else params[0].new_empty(_numel(params))
-            comm.broadcast(flat, src=owner, tag=f"params of rank {owner}")
+            comm.broadcast(flat, src=owner, tag=f"params of rank {owner}", group=self.group)
             if owner != self.rank:
                 _unflatten_into(flat, params)
             del flat  # before the next owner's bucket is allocated: one share-sized buffer at a time
@@ -161,7 +163,7 @@ class OSS(torch.optim.Optimizer):
         if shares[self.rank]:
             mine[: _numel(shares[self.rank])] = _flatten(shares[self.rank])
         everything = mine.new_empty(width * self.world_size)
-        comm.all_gather(everything, mine, tag="params")
+        comm.all_gather(everything, mine, tag="params", group=self.group)
         for owner, params in enumerate(shares):
             if owner != self.rank and params:
                 _unflatten_into(everything[owner * width: owner * width + _numel(params)], params)
@@ -180,7 +182,7 @@ class OSS(torch.optim.Optimizer):
         # local state is keyed by position in the local optimizer; re-key it by global position
         mine = {index[local_params[i]]: {k: (v.cpu() if torch.is_tensor(v) else v) for k, v in s.items()}
                 for i, s in local["state"].items()}
-        shards = comm.all_gather_object(mine)
+        shards = comm.all_gather_object(mine, group=self.group)
         self._consolidated = None
         if self.rank == to:
             state = {k: v for shard in shards for k, v in shard.items()}

@@ -14,13 +14,13 @@ import contextlib
 import statistics
 import time
 
-from minifsdp import comm
+from minifsdp.distributed import comm
+from minifsdp.distributed.launch import launch
 from minifsdp.fsdp import BACKWARD_POST, BACKWARD_PRE, FullyShardedDataParallel, ModuleWrapPolicy
-from minifsdp.launch import launch
-from minifsdp.meter import MemoryMeter
+from minifsdp.measure.meter import MemoryMeter
+from minifsdp.measure.timeline import Timeline, hidden_fraction, lane_time, plot_timeline, write_chrome_trace
 from minifsdp.models import Block, GPTConfig, TinyGPT
-from minifsdp.timeline import Timeline, hidden_fraction, lane_time, plot_timeline, write_chrome_trace
-from minifsdp.tour import _fmt_bytes, write_report
+from minifsdp.reports.format import fmt_bytes, write_report
 from minifsdp.train import OPTIMIZERS, batch, loss_of
 
 # --8<-- [start:modes]
@@ -181,9 +181,9 @@ def run_prefetch_memory_report(world_sizes=(2, 4), markdown: str | None = None) 
             for phase in ("forward", "backward"):
                 k = expected_full_units(mode, phase)
                 alive = ["(root)"] + blocks[:k]  # blocks are the same size: any k of them
-                cells += [_fmt_bytes(m[phase]["params"]), _fmt_bytes(full_buffers(m["units"], n, alive))]
+                cells += [fmt_bytes(m[phase]["params"]), fmt_bytes(full_buffers(m["units"], n, alive))]
             peak = max(m["forward"]["total"], m["backward"]["total"])
-            lines.append(f"| {n} | {mode} | {limit} | " + " | ".join(cells) + f" | {_fmt_bytes(peak)} |")
+            lines.append(f"| {n} | {mode} | {limit} | " + " | ".join(cells) + f" | {fmt_bytes(peak)} |")
     text = ("Peak bytes of parameters (shards + full buffers) per rank, rank 0, in a steady-state FSDP step of "
             "the timeline GPT; analytic: every shard plus the full buffers of the root and of the blocks "
             "alive at once (one, or two with a prefetch)\n\n" + "\n".join(lines))

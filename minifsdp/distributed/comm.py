@@ -13,6 +13,12 @@ fake process group, and can be checked against the formulas of the ZeRO paper (S
         train_step()
     counter.bytes["all_reduce"], counter.total()
 
+Every collective takes `group=`, a process group (default: every rank). Chapters 11 and 12 run several
+at once -- data parallel inside a tensor-parallel group, replicas of shards -- and the counter keeps each
+group's bytes apart (`counter.by_group["dp"]`), under the group's name (see `name_group`, and mesh.py,
+which names each dimension's group after the dimension). Ranks passed to a collective (`src`, `dst`) are
+ranks *within* the group, as the algorithms think of them: owner 1 of a group of ranks {2, 3} is rank 3.
+
 A counter can also record each collective's issue and completion times, and the time this rank spent
 blocked waiting for one, for timelines (chapter 7). For teaching, `throttled(...)` makes the network slow
 enough to see on a laptop.
@@ -21,6 +27,7 @@ enough to see on a laptop.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import pickle
 import time
@@ -45,14 +52,37 @@ def require_process_group() -> None:
             "or call torch.distributed.init_process_group(...) yourself first.")
 
 
-def world_size() -> int:
+def world_size(group=None) -> int:
+    """How many ranks `group` has (default: all of them)."""
     require_process_group()
-    return dist.get_world_size()
+    return dist.get_world_size(group)
 
 
-def rank() -> int:
+def rank(group=None) -> int:
+    """This rank's position in `group` (0 .. world_size(group) - 1)."""
     require_process_group()
-    return dist.get_rank()
+    return dist.get_rank(group)
+
+
+_group_names: dict = {}  # process group -> the name its bytes are counted under
+
+
+def name_group(group, name: str) -> None:
+    """Count `group`'s traffic under `name` (a mesh dimension's name, say) instead of its list of ranks."""
+    _group_names[group] = name
+
+
+def group_ranks(group=None) -> list[int]:
+    """The global ranks of `group`, in group order."""
+    return dist.get_process_group_ranks(group or dist.group.WORLD)
+
+
+def group_name(group=None) -> str:
+    if group is None or group is dist.group.WORLD:
+        return "world"
+    if group not in _group_names:
+        _group_names[group] = "ranks " + ",".join(map(str, group_ranks(group)))
+    return _group_names[group]
 
 
 # --8<-- [start:ring_bytes]
@@ -76,6 +106,7 @@ class CommEvent:
     done: float = float("nan")
     tag: str = ""
     start: float = float("nan")  # when the (simulated) link began moving it: after the collectives ahead of it
+    group: str = "world"         # the process group's name (group_name)
 
 
 @dataclass
@@ -88,9 +119,10 @@ class Wait:
 
 @dataclass
 class CommCounter:
-    """Bytes sent and calls made by this rank, per collective kind."""
+    """Bytes sent and calls made by this rank, per collective kind (all groups together), and per group."""
     bytes: dict = field(default_factory=lambda: defaultdict(float))
     calls: dict = field(default_factory=lambda: defaultdict(int))
+    by_group: dict = field(default_factory=lambda: defaultdict(functools.partial(defaultdict, float)))  # name -> kind -> bytes
     record: bool = False
     events: list = field(default_factory=list)   # CommEvent per collective, in issue order (record=True)
     waits: list = field(default_factory=list)    # Wait per blocking wait (record=True)
@@ -187,18 +219,20 @@ def _stamp_completion(work, events, not_before: float) -> None:
 
 
 # --8<-- [start:issue]
-def _issue(kind: str, nbytes: int, call, async_op: bool, tag: str):
+def _issue(kind: str, nbytes: int, call, async_op: bool, tag: str, group):
     """Count, call, and (for a blocking call) wait: the bookkeeping every collective shares."""
-    n = world_size()
+    n = world_size(group)
     sent = ring_bytes(kind, nbytes, n) if kind != "object" else nbytes * (n - 1)
     issued = time.perf_counter()
     start, not_before = _link.schedule(issued, sent) if _link is not None else (issued, 0.0)
-    events = []
+    events, name = [], group_name(group)
     for c in _active:
         c.bytes[kind] += sent
         c.calls[kind] += 1
+        c.by_group[name][kind] += sent
         if c.record:
-            events.append(CommEvent(kind, sent, issued, tag=tag, start=start, done=not_before or float("nan")))
+            events.append(CommEvent(kind, sent, issued, tag=tag, start=start, done=not_before or float("nan"),
+                                    group=name))
             c.events.append(events[-1])
     work = call(async_op=True)
     if events and work is not None:
@@ -215,36 +249,40 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, async_op: bool = False, tag: str = ""):
+def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, async_op: bool = False, tag: str = "", group=None):
     """Every rank ends with the reduction (sum by default) of every rank's `tensor`, in place."""
     return _issue("all_reduce", _nbytes(tensor),
-                  lambda async_op: dist.all_reduce(tensor, op=op, async_op=async_op), async_op, tag)
+                  lambda async_op: dist.all_reduce(tensor, op=op, group=group, async_op=async_op), async_op, tag,
+                  group)
 
 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op=ReduceOp.SUM, async_op: bool = False,
-                   tag: str = ""):
+                   tag: str = "", group=None):
     """Rank r gets chunk r of the reduction of every rank's `input` (len(input) = N * len(output))."""
     return _issue("reduce_scatter", _nbytes(input),
-                  lambda async_op: dist.reduce_scatter_single(output, input, op=op, async_op=async_op),
-                  async_op, tag)
+                  lambda async_op: dist.reduce_scatter_single(output, input, op=op, group=group,
+                                                              async_op=async_op), async_op, tag, group)
 
 
-def all_gather(output: torch.Tensor, input: torch.Tensor, async_op: bool = False, tag: str = ""):
+def all_gather(output: torch.Tensor, input: torch.Tensor, async_op: bool = False, tag: str = "", group=None):
     """`output` becomes every rank's `input`, concatenated in rank order (len(output) = N * len(input))."""
     return _issue("all_gather", _nbytes(output),
-                  lambda async_op: dist.all_gather_single(output, input, async_op=async_op), async_op, tag)
+                  lambda async_op: dist.all_gather_single(output, input, group=group, async_op=async_op),
+                  async_op, tag, group)
 
 
-def broadcast(tensor: torch.Tensor, src: int = 0, async_op: bool = False, tag: str = ""):
-    """Every rank's `tensor` becomes rank `src`'s."""
+def broadcast(tensor: torch.Tensor, src: int = 0, async_op: bool = False, tag: str = "", group=None):
+    """Every rank's `tensor` becomes that of rank `src` (of the group)."""
     return _issue("broadcast", _nbytes(tensor),
-                  lambda async_op: dist.broadcast(tensor, src=src, async_op=async_op), async_op, tag)
+                  lambda async_op: dist.broadcast(tensor, group=group, group_src=src, async_op=async_op),
+                  async_op, tag, group)
 
 
-def reduce(tensor: torch.Tensor, dst: int, op=ReduceOp.SUM, async_op: bool = False, tag: str = ""):
-    """Rank `dst`'s `tensor` becomes the reduction of every rank's; the others' are left undefined."""
+def reduce(tensor: torch.Tensor, dst: int, op=ReduceOp.SUM, async_op: bool = False, tag: str = "", group=None):
+    """Rank `dst`'s (of the group) `tensor` becomes the reduction of every rank's; the others' are undefined."""
     return _issue("reduce", _nbytes(tensor),
-                  lambda async_op: dist.reduce(tensor, dst=dst, op=op, async_op=async_op), async_op, tag)
+                  lambda async_op: dist.reduce(tensor, group=group, group_dst=dst, op=op, async_op=async_op),
+                  async_op, tag, group)
 
 
 # --8<-- [start:copy_to]
@@ -263,31 +301,49 @@ def copy_to(tensor: torch.Tensor, device: torch.device, direction: str,
 # --8<-- [end:copy_to]
 
 
-def all_gather_object(obj) -> list:
+def all_gather_object(obj, group=None) -> list:
     """Every rank's (picklable) `obj`, in rank order. For small metadata, counted under 'object'."""
-    out = [None] * world_size()
+    out = [None] * world_size(group)
 
     def call(async_op):  # all_gather_object has no async form: it is done when it returns
-        dist.all_gather_object(out, obj)
+        dist.all_gather_object(out, obj, group=group)
 
-    _issue("object", len(pickle.dumps(obj)), call, async_op=False, tag="")
+    _issue("object", len(pickle.dumps(obj)), call, async_op=False, tag="", group=group)
     return out
 
 
-def barrier() -> None:
+def barrier(group=None) -> None:
     require_process_group()
-    dist.barrier()
+    dist.barrier(group=group)
 
 
-def assert_same_across_ranks(named_tensors, what: str = "parameter") -> None:
+# --8<-- [start:sync_from_rank0]
+def sync_from_rank0(named_tensors, group=None) -> None:
+    """Every rank's tensors become rank 0's (of the group): how every data-parallel wrapper makes its
+    replicas start from the same weights and buffers. The names, shapes and dtypes are checked first, so a
+    rank that built another model gets an error naming the tensor instead of a hang or silent garbage.
+    Meta tensors (deferred init, chapter 9) hold nothing yet: they are checked, not sent."""
+    named = list(named_tensors)
+    assert_same_across_ranks(named, group=group)
+    broadcast_tensors([t for _, t in named if not t.is_meta], src=0, group=group)
+
+
+def broadcast_tensors(tensors, src: int = 0, group=None) -> None:
+    with torch.no_grad():
+        for t in tensors:
+            broadcast(t, src=src, group=group)
+# --8<-- [end:sync_from_rank0]
+
+
+def assert_same_across_ranks(named_tensors, what: str = "parameter", group=None) -> None:
     """Raise on every rank, naming the first tensor whose shape or dtype differs between ranks.
 
     Sharding code that silently trusts the shapes would hang in a collective of mismatched sizes, or
     worse, mix up slices; checking once at construction turns that into an error that names the tensor.
     """
     mine = [(name, tuple(t.shape), str(t.dtype)) for name, t in named_tensors]
-    me = rank()
-    for other, theirs in enumerate(all_gather_object(mine)):
+    me = rank(group)
+    for other, theirs in enumerate(all_gather_object(mine, group=group)):
         if theirs == mine:
             continue
         for i in range(max(len(mine), len(theirs))):

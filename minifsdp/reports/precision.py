@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import torch
 
-from minifsdp import analytic
-from minifsdp.launch import launch
+from minifsdp.distributed.launch import launch
+from minifsdp.measure import analytic
 from minifsdp.mixed_precision import CPUOffload, MixedPrecision
 from minifsdp.models import GPTConfig, TinyGPT
-from minifsdp.tour import _fmt_bytes, write_report
+from minifsdp.reports.format import fmt_bytes, write_report
 from minifsdp.train import STRATEGIES, train
 
 CONFIG = GPTConfig(n_layer=4)
@@ -95,11 +95,11 @@ def run_precision_report(world_size: int = 2, markdown: str | None = None, plot:
     for (strategy, label), m in res.items():
         ours, zero = model_states(psi, n, STRATEGIES[strategy].stage)
         copies = m["comm_copies"]
-        moved = (f"{_fmt_bytes(copies.get('host_to_device', 0) / STEPS)} in, "
-                 f"{_fmt_bytes(copies.get('device_to_host', 0) / STEPS)} out") if copies else "-"
-        lines.append(f"| {strategy} | {label} | {_fmt_bytes(_states(m['after_step']))} | {_fmt_bytes(ours)} / "
-                     f"{_fmt_bytes(zero)} | {_fmt_bytes(m['params_peak'])} | {_fmt_bytes(m['peak'])} "
-                     f"| {_fmt_bytes(sum(m['comm_bytes'].values()) / STEPS)} | {moved} |")
+        moved = (f"{fmt_bytes(copies.get('host_to_device', 0) / STEPS)} in, "
+                 f"{fmt_bytes(copies.get('device_to_host', 0) / STEPS)} out") if copies else "-"
+        lines.append(f"| {strategy} | {label} | {fmt_bytes(_states(m['after_step']))} | {fmt_bytes(ours)} / "
+                     f"{fmt_bytes(zero)} | {fmt_bytes(m['params_peak'])} | {fmt_bytes(m['peak'])} "
+                     f"| {fmt_bytes(sum(m['comm_bytes'].values()) / STEPS)} | {moved} |")
     curves = loss_curves(curve_steps, n)
     lines += ["", f"**Loss after {curve_steps} steps** (FSDP, {n} ranks, the tiny GPT; mean of the last 20 steps)\n",
               "| precision | loss |", "|---|---|"]

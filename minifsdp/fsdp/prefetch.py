@@ -1,7 +1,14 @@
-"""Chapter 7: what prefetching is told, and the rate limiter (FullyShardedDataParallel uses both).
+"""Chapter 7: what prefetching is told, the order it follows, and the rate limiter (the runtime, fsdp.py,
+uses all three).
 
     FullyShardedDataParallel(model, backward_prefetch=BackwardPrefetch.BACKWARD_PRE, forward_prefetch=True,
                              limit_all_gathers=True)
+
+To prefetch, a unit must know which unit comes next. The root records the order units run in during the
+first step (ExecutionOrder); from the second step on, a unit starts the next one's all-gather early. This
+assumes a static graph: the same units in the same order every step. A unit the recorded order names but
+the graph then does not use is freed at the end of forward, so a changing graph costs a wasted all-gather,
+never a wrong value.
 """
 
 from __future__ import annotations
@@ -16,6 +23,28 @@ class BackwardPrefetch(enum.Enum):
     """When a unit's backward starts the all-gather of the unit whose backward comes next (None: never)."""
     BACKWARD_PRE = "pre"    # before this unit's backward compute
     BACKWARD_POST = "post"  # after it, before this unit's reduce-scatter
+
+
+# --8<-- [start:order]
+class ExecutionOrder:
+    """The order units ran in, forward and backward, during the first step (kept by the root)."""
+
+    def __init__(self):
+        self.order = {"forward": [], "backward": []}
+        self.recorded = False  # set at the end of the first backward: from then on, next() answers
+
+    def record(self, direction: str, unit) -> None:
+        if not self.recorded and unit not in self.order[direction]:
+            self.order[direction].append(unit)
+
+    def next(self, direction: str, unit):
+        """The unit that ran after `unit` in the first step's forward or backward, if known."""
+        order = self.order[direction]
+        if not self.recorded or unit not in order:
+            return None
+        i = order.index(unit) + 1
+        return order[i] if i < len(order) else None
+# --8<-- [end:order]
 
 
 # --8<-- [start:limiter]

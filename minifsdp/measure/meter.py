@@ -18,6 +18,10 @@ How it measures:
 Categories: params, grads (the `.grad` of watched params), optim (tensors in optimizer.state) and other
 (activations, temporaries, communication buffers). A storage is re-labelled the moment it becomes a
 gradient or optimizer state (hooks), so the split at the peak is right too.
+
+A storage that changes size in place (storage.resize_ is not an op a dispatch mode sees) is announced by
+the runtime as an event (minifsdp/events.py: FSDP frees and re-allocates its unsharded parameters this
+way, chapter 6); the meter listens while it is inside its `with` block.
 """
 
 from __future__ import annotations
@@ -29,15 +33,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from minifsdp import events
+
 CATEGORIES = ("params", "grads", "optim", "other")
-_active: list["MemoryMeter"] = []  # meters inside their `with` block
-
-
-def storage_resized(storage) -> None:
-    """Tell the active meters that `storage` changed size in place (storage.resize_ is not an op that a
-    dispatch mode sees). FSDP frees and re-allocates its unsharded parameters this way (chapter 6)."""
-    for meter in _active:
-        meter._resize(storage)
 
 
 def _storage(t: torch.Tensor):
@@ -214,11 +212,11 @@ class MemoryMeter:
     def __enter__(self):
         self._mode = _Tracker(self)
         self._mode.__enter__()
-        _active.append(self)
+        events.subscribe(events.STORAGE_RESIZED, self._resize)
         return self
 
     def __exit__(self, *exc):
-        _active.remove(self)
+        events.unsubscribe(events.STORAGE_RESIZED, self._resize)
         self._mode.__exit__(*exc)
         self._mode = None
         return False

@@ -25,9 +25,9 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from minifsdp import comm
-from minifsdp.ddp import DistributedDataParallel, _Bucket
-from minifsdp.oss import OSS
+from minifsdp.ddp.ddp import DistributedDataParallel, _Bucket
+from minifsdp.distributed import comm
+from minifsdp.zero.oss import OSS
 
 
 class ShardedDataParallel(DistributedDataParallel):
@@ -35,6 +35,8 @@ class ShardedDataParallel(DistributedDataParallel):
 
     bucket_cap_mb:     size of a gradient bucket (every bucket belongs to one owner rank).
     broadcast_buffers: as in DistributedDataParallel.
+    process_group:     the OSS's group (the default); another group would send gradients to ranks that
+                       do not own them, so it is refused.
     If you change which parameters require grad after building it, call `refresh_trainable()`.
     """
 
@@ -42,15 +44,22 @@ class ShardedDataParallel(DistributedDataParallel):
 
     # --8<-- [start:init]
     def __init__(self, module: nn.Module, sharded_optimizer: OSS, bucket_cap_mb: float = 25.0,
-                 broadcast_buffers: bool = True, find_unused_parameters: bool = False, mixed_precision=None):
+                 broadcast_buffers: bool = True, find_unused_parameters: bool = False, mixed_precision=None,
+                 process_group=None):
         if not isinstance(sharded_optimizer, OSS):
             raise TypeError(f"ShardedDataParallel needs a sharded optimizer (minifsdp.OSS) to know which rank "
                             f"owns each gradient; got {type(sharded_optimizer).__name__}. Wrap it: "
                             f"OSS(model.parameters(), optim={type(sharded_optimizer).__name__}, ...)")
+        if process_group is None:
+            process_group = sharded_optimizer.group
+        elif comm.group_ranks(process_group) != comm.group_ranks(sharded_optimizer.group):
+            raise ValueError("ShardedDataParallel(process_group=...) must be the group its OSS shards over "
+                             "(OSS(..., group=...)): owner ranks are ranks of that group")
         self.sharded_optimizer = sharded_optimizer
-        self.rank = comm.rank()
+        self.rank = comm.rank(process_group)
         self._reduced, self._saved = set(), {}  # see forward
-        super().__init__(module, bucket_cap_mb, broadcast_buffers, find_unused_parameters, mixed_precision)
+        super().__init__(module, bucket_cap_mb, broadcast_buffers, find_unused_parameters, mixed_precision,
+                         process_group)
 
     def _owners(self) -> dict:
         owner = {p: r for r in range(self.world_size) for p in self.sharded_optimizer.owned_params(r)}
@@ -112,7 +121,8 @@ class ShardedDataParallel(DistributedDataParallel):
     def _launch(self, bucket: _Bucket) -> None:
         # BEGIN EXERCISE 4.1: reduce the bucket to its owner; the other ranks drop those gradients now
         bucket.flat = self._flatten(bucket)
-        bucket.handle = comm.reduce(bucket.flat, dst=bucket.owner, async_op=True, tag=f"bucket{self._next}")
+        bucket.handle = comm.reduce(bucket.flat, dst=bucket.owner, async_op=True, tag=f"bucket{self._next}",
+                                    group=self.process_group)
         if bucket.owner != self.rank:
             for p in bucket.params:
                 p.grad = None  # already copied into the flat bucket: this is the memory ZeRO-2 saves

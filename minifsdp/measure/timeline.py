@@ -1,7 +1,7 @@
 """Chapter 7: a timeline of each rank's step -- what computed when, what was on the wire, and when the
 rank sat blocked waiting for the wire. The third is the one that costs time.
 
-    with Timeline() as tl:                  # on every rank; FSDP reports its units' compute to it
+    with Timeline() as tl:                  # on every rank; FSDP announces its units' compute (events.py)
         loss = model(x, y); loss.backward(); opt.step()
     tl.spans()                              # [Span(lane, name, start, end)], seconds from the start
     hidden_fraction(tl.spans())             # the share of communication time that cost no waiting
@@ -28,7 +28,8 @@ from typing import NamedTuple
 
 import torch
 
-from minifsdp import comm
+from minifsdp import events
+from minifsdp.distributed import comm
 
 
 class Span(NamedTuple):
@@ -36,20 +37,6 @@ class Span(NamedTuple):
     name: str
     start: float
     end: float
-
-
-_active: list["Timeline"] = []
-
-
-def compute_begin(name: str) -> None:
-    """A unit's compute starts (FSDP calls this); it interrupts the one running, which resumes at its end."""
-    for tl in _active:
-        tl._begin(name)
-
-
-def compute_end(name: str) -> None:
-    for tl in _active:
-        tl._end(name)
 
 
 class Timeline:
@@ -71,11 +58,14 @@ class Timeline:
             self._origin_event = self._stamp()
         self._counter_cm = comm.counting(record=True)
         self.counter = self._counter_cm.__enter__()
-        _active.append(self)
+        # a unit's compute starts (FSDP announces it): it interrupts the one running, which resumes at its end
+        events.subscribe(events.COMPUTE_BEGIN, self._begin)
+        events.subscribe(events.COMPUTE_END, self._end)
         return self
 
     def __exit__(self, *exc) -> None:
-        _active.remove(self)
+        events.unsubscribe(events.COMPUTE_BEGIN, self._begin)
+        events.unsubscribe(events.COMPUTE_END, self._end)
         self._close(self._stamp())
         self._stack.clear()
         self._counter_cm.__exit__(*exc)

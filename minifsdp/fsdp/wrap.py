@@ -1,0 +1,106 @@
+"""Chapter 6: which modules become units -- the wrap policies, and the walks over a wrapped model.
+
+    FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({Block}))
+
+A policy is asked about every submodule, innermost first, and says whether it becomes a unit of its own
+(a FullyShardedDataParallel around it). Each unit owns the parameters of its subtree that no nested unit
+owns: one FlatParameter, so one all-gather and one reduce-scatter per unit. What the root (the outermost
+unit) owns is whatever no policy claimed.
+
+The walks here stop at units: a unit's subtree belongs to it. A module is a unit when its class says so
+(`_fsdp_unit = True`, set by FullyShardedDataParallel), so nothing here needs the runtime itself.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch.nn as nn
+
+
+# --8<-- [start:policies]
+class ModuleWrapPolicy:
+    """Wrap every submodule whose class is in `classes` (e.g. {Block}) in its own unit."""
+
+    def __init__(self, classes):
+        self.classes = tuple(classes)
+
+    def __call__(self, module: nn.Module, unowned_numel: int) -> bool:
+        return isinstance(module, self.classes)
+
+
+class SizeBasedWrapPolicy:
+    """Wrap a submodule once the parameters not yet in a nested unit reach `min_num_params`."""
+
+    def __init__(self, min_num_params: int = 100_000_000):
+        self.min_num_params = min_num_params
+
+    def __call__(self, module: nn.Module, unowned_numel: int) -> bool:
+        return unowned_numel >= self.min_num_params
+# --8<-- [end:policies]
+
+
+def is_unit(module: nn.Module) -> bool:
+    return getattr(type(module), "_fsdp_unit", False)
+
+
+def modules_not_in_units(module: nn.Module):
+    """`module` and its descendants, stopping at nested units (they own their own subtrees)."""
+    yield module
+    for child in module.children():
+        if not is_unit(child):
+            yield from modules_not_in_units(child)
+
+
+def unowned_numel(module: nn.Module) -> int:
+    """Parameters of `module`'s subtree that no nested unit owns yet (a tied one counts once)."""
+    return sum(p.numel() for p in {p for m in modules_not_in_units(module) for p in m.parameters(recurse=False)})
+
+
+# --8<-- [start:wrap]
+def wrap_children(module: nn.Module, policy, uses: dict, wrap: Callable[[nn.Module], nn.Module],
+                  prefix: str = "") -> None:
+    """Post-order: wrap the deepest matching submodules first (`wrap(child)` makes the unit), so outer
+    units own what is left.
+
+    uses: every parameter -> the qualified names it appears under (a tied parameter has several).
+    """
+    for name, child in module.named_children():
+        if is_unit(child):
+            continue
+        path = f"{prefix}{name}."
+        wrap_children(child, policy, uses, wrap, path)
+        if policy(child, unowned_numel(child)):
+            for p in child.parameters():
+                outside = [n for n in uses[p] if not n.startswith(path)]
+                if outside:
+                    inside = next(n for n in uses[p] if n.startswith(path))
+                    raise ValueError(f"{inside!r} is tied to {outside[0]!r}, but the wrap policy puts them in "
+                                     f"different units: tied parameters must live in the same unit (wrap a "
+                                     f"module that contains both)")
+            setattr(module, name, wrap(child))
+# --8<-- [end:wrap]
+
+
+def named_units(root: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name of the wrapped module as before wrapping, unit) for every unit under `root`; the root is ''."""
+    found = [("", root)]
+
+    def walk(module, prefix):
+        for name, child in module.named_children():
+            if is_unit(child):
+                found.append((prefix + name, child))
+                child = child.module
+            walk(child, prefix + name + ".")
+
+    walk(root.module, "")
+    return found
+
+
+def names_without_wrappers(module: nn.Module, prefix: str = ""):
+    """(qualified name + ".", module) for every module, as named before wrapping: a unit adds no name."""
+    yield prefix, module
+    for name, child in module.named_children():
+        if is_unit(child):
+            child = child.module
+        yield from names_without_wrappers(child, prefix + name + ".")

@@ -1,0 +1,134 @@
+"""Chapter 4, the flat design: ZeRO-2 on the flat ZeRO-1 of chapter 3 (flat.py).
+
+FlatOSS alone reduce-scatters every gradient in step(), after backward, so each rank holds the full
+gradients (4Ψ) until then. FlatShardedDataParallel moves the reduce-scatter into backward, bucket by
+bucket, as DDP's all-reduce does: once a bucket is sent, its params' full .grad is freed, and a rank ends
+backward holding only the gradients of its slice (4Ψ/N). step() then only steps and all-gathers.
+
+    opt = FlatOSS(model.parameters(), optim=torch.optim.AdamW, bucket_cap_mb=1, lr=3e-3)
+    model = FlatShardedDataParallel(model, opt)
+    loss = model(x, y); loss.backward(); opt.step(); opt.zero_grad()
+
+It is chapter 1's DistributedDataParallel with its buckets taken from the FlatOSS (each a slice of one
+flat buffer) and a different launch: a reduce-scatter into this rank's slice instead of an all-reduce.
+The hooks, the in-order launching and the end-of-backward callback are DDP's own.
+
+Parameters the autograd graph of the output does not reach count as ready (a zero gradient) at forward,
+so every rank launches every bucket, in the same order, and nothing waits forever.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from minifsdp.ddp.ddp import DistributedDataParallel, _Bucket
+from minifsdp.distributed import comm
+from minifsdp.zero.flat import FlatOSS
+
+
+class FlatShardedDataParallel(DistributedDataParallel):
+    """ZeRO-2, flat: reduce-scatter each gradient bucket during backward and free the full gradients.
+
+    module:            built identically on every rank; rank 0's params and buffers are broadcast.
+    flat_optimizer:    a FlatOSS over this module's trainable params, built with a bucket_cap_mb: its
+                       buckets are the units that are reduce-scattered as soon as backward completes them.
+    broadcast_buffers: re-broadcast rank 0's buffers before each forward, as DDP does.
+    The process group is the FlatOSS's (its `group=`).
+    """
+
+    rebuild_buckets = False  # the buckets are the FlatOSS's slices: their layout is fixed
+
+    def __init__(self, module: nn.Module, flat_optimizer: FlatOSS, broadcast_buffers: bool = True):
+        if not isinstance(flat_optimizer, FlatOSS):
+            raise TypeError(f"FlatShardedDataParallel needs a FlatOSS (it reduce-scatters into the FlatOSS's "
+                            f"flat shards), got {type(flat_optimizer).__name__}. Build one with "
+                            f"FlatOSS(module.parameters(), optim=<optimizer class>, bucket_cap_mb=..., lr=...)")
+        if not flat_optimizer.reduce_in_step:
+            raise ValueError("this FlatOSS already belongs to a FlatShardedDataParallel")
+        if flat_optimizer.bucket_cap_mb is None:
+            raise ValueError("FlatShardedDataParallel needs a FlatOSS built with bucket_cap_mb=...: its buckets "
+                             "are reduce-scattered one by one during backward, and with bucket_cap_mb=None a "
+                             "whole param group would be one bucket, sent only when backward is over")
+        names = {p: n for n, p in module.named_parameters()}
+        trainable = [p for p in module.parameters() if p.requires_grad]
+        in_optimizer = {p for b in flat_optimizer.buckets for p in b.params}
+        for p in trainable:
+            if p not in in_optimizer:
+                raise ValueError(f"parameter {names[p]!r} of the module is not in the FlatOSS: build the FlatOSS "
+                                 f"over this module's parameters")
+        for p in in_optimizer - set(trainable):
+            raise ValueError(f"the FlatOSS holds a parameter of shape {tuple(p.shape)} that is not a trainable "
+                             f"parameter of this module ({names.get(p, 'not in the module')})")
+        self.optimizer = flat_optimizer
+        # The order backward completes the buckets: the one whose earliest param comes latest goes first.
+        # It depends on the model only, so every rank launches the same collectives in the same order.
+        position = {p: i for i, p in enumerate(trainable)}
+        self._flat_buckets = sorted(flat_optimizer.buckets, key=lambda b: -min(position[p] for p in b.params))
+        self._in_flight = []  # (flat bucket, its reduce-scattered chunk, the flat input kept alive, handle)
+        # find_unused_parameters: parameters the graph does not reach count as ready at forward (as zeros)
+        super().__init__(module, broadcast_buffers=broadcast_buffers, find_unused_parameters=True,
+                         process_group=flat_optimizer.group)
+        flat_optimizer.reduce_in_step = False
+
+    def _bucket_groups(self, params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
+        return [b.params for b in self._flat_buckets]
+
+    # --8<-- [start:launch]
+    def _launch_ready_buckets(self) -> None:
+        self._retire(wait=False)  # inputs of reduce-scatters already done can go now, not at the end
+        super()._launch_ready_buckets()
+
+    def _launch(self, bucket: _Bucket) -> None:
+        layout = self._flat_buckets[self._next]  # the FlatOSS's bucket: where these params live, flat
+        # BEGIN EXERCISE 4.3: reduce-scatter the bucket's averaged gradients (async), free the full grads
+        flat = layout.flat_grad(1.0 / self.world_size)
+        chunk = torch.empty_like(layout.shard)
+        handle = comm.reduce_scatter(chunk, flat, async_op=True, tag=f"bucket{self._next}",
+                                     group=self.process_group)
+        for p in bucket.params:
+            p.grad = None  # this rank's chunk of the sum is on its way; the rest is the other ranks' business
+        self._in_flight.append((layout, chunk, flat, handle))
+        # END EXERCISE
+    # --8<-- [end:launch]
+
+    def _retire(self, wait: bool) -> None:
+        """Hand finished reduce-scatters to the optimizer and drop their inputs (all of them, if `wait`)."""
+        pending = []
+        for layout, chunk, flat, handle in self._in_flight:
+            if not wait and not handle.is_completed():
+                pending.append((layout, chunk, flat, handle))
+                continue
+            handle.wait()
+            if layout.shard.grad is None:
+                layout.shard.grad = chunk
+            else:  # two synced backward passes without zero_grad(): gradients add up, as in DDP
+                layout.shard.grad.add_(chunk)
+        self._in_flight = pending
+
+    def _finish_buckets(self) -> None:
+        """End of backward (every bucket has gone out: DDP's _finish checked): wait for them all."""
+        self._retire(wait=True)
+
+
+def demo(steps: int = 3) -> dict:
+    """A few ZeRO-2 steps of a tiny GPT on this rank: the losses, and the bytes it holds and sends."""
+    from minifsdp.models import TinyGPT, gpt_batch  # (the package's models; nothing here depends on them)
+
+    model = TinyGPT(seed=comm.rank())
+    opt = FlatOSS(model.parameters(), optim=torch.optim.AdamW, bucket_cap_mb=0.05, lr=3e-3, weight_decay=0.1)
+    model = FlatShardedDataParallel(model, opt)
+    n, r = comm.world_size(), comm.rank()
+    losses = []
+    with comm.counting() as counter:
+        for step in range(steps):
+            x, y = (t[4 * r: 4 * r + 4] for t in gpt_batch(model.module.config, step, 4 * n))  # 4 samples a rank
+            loss = model(x, y)
+            loss.backward()
+            grad_bytes = sum(b.shard.grad.numel() * b.shard.element_size() for b in opt.buckets)
+            opt.step()
+            opt.zero_grad()
+            losses.append(round(loss.item(), 4))
+    return {"rank": r, "losses": losses, "buckets": len(opt.buckets), "grad_bytes": grad_bytes,
+            "optim_bytes": sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values()),
+            "bytes_per_step": counter.total() / steps}
