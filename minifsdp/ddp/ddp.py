@@ -30,14 +30,8 @@ import torch.nn as nn
 from torch.utils._pytree import tree_leaves
 
 from minifsdp.distributed import comm
-from minifsdp.mixed_precision import (
-    MixedPrecision,
-    cast_buffers,
-    cast_inputs,
-    check_master_dtype,
-    scaled_losses,
-    warn_if_unscaled,
-)
+from minifsdp.mixed_precision import (MixedPrecision, cast_buffers, cast_inputs, check_master_dtype, scaled_losses,
+                                      warn_if_unscaled)
 
 
 class _Bucket:

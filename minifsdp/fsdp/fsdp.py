@@ -55,15 +55,8 @@ from minifsdp.fsdp import state_dict, training
 from minifsdp.fsdp.flat_param import FlatParameter, sync_all_gathers
 from minifsdp.fsdp.prefetch import AllGatherLimiter, BackwardPrefetch, ExecutionOrder
 from minifsdp.fsdp.wrap import modules_not_in_units, named_units, wrap_children
-from minifsdp.mixed_precision import (
-    CPUOffload,
-    MixedPrecision,
-    cast_buffers,
-    cast_inputs,
-    check_master_dtype,
-    scaled_losses,
-    warn_if_unscaled,
-)
+from minifsdp.mixed_precision import (CPUOffload, MixedPrecision, cast_buffers, cast_inputs, check_master_dtype,
+                                      scaled_losses, warn_if_unscaled)
 
 
 class FullyShardedDataParallel(nn.Module):
