@@ -22,7 +22,10 @@ def get_full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
             for k, v in inner.state_dict().items()}
 
 
-def set_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
+def set_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor], strict: bool = True):
+    """Load as nn.Module.load_state_dict does: strict (every key, no other) unless strict=False, a shape
+    mismatch an error either way; returns (missing_keys, unexpected_keys). FSDP checks everything before it
+    writes anything; nn.Module.load_state_dict writes the tensors that fit, then raises about the rest."""
     if hasattr(model, "load_full_state_dict"):
-        return model.load_full_state_dict(state_dict)
-    getattr(model, "module", model).load_state_dict(state_dict)
+        return model.load_full_state_dict(state_dict, strict=strict)
+    return getattr(model, "module", model).load_state_dict(state_dict, strict=strict)

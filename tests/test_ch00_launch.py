@@ -1,6 +1,7 @@
 """Chapter 0 foundations: the launcher, failure handling, and the no-process-group error."""
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -25,7 +26,7 @@ def test_launch_returns_each_ranks_result_in_rank_order():
     assert launch(whoami, world_size=3, args=(7,), device="cpu") == [(r, 3, "gloo", 7) for r in range(3)]
 
 
-@pytest.mark.parametrize("bad", [0, -1, 1.5, "2"])
+@pytest.mark.parametrize("bad", [0, -1, 1.5, "2", True, False])
 def test_world_size_must_be_a_positive_int(bad):
     with pytest.raises(ValueError, match="world_size must be an integer >= 1"):
         launch(whoami, world_size=bad, args=(0,))
@@ -90,6 +91,52 @@ def test_a_collective_never_waits_forever():
         launch(hang_on_rank_zero, world_size=2, device="cpu", timeout=3)
     assert time.time() - start < 60
     assert info.value.rank == 1  # rank 1 timed out waiting for rank 0, and says so
+
+
+def leave_without_a_result():
+    if dist.get_rank() == 1:
+        os._exit(0)  # a clean exit code, but no result
+    return "rank 0 is fine"
+
+
+def test_a_rank_that_exits_cleanly_without_a_result_is_a_failure():
+    with pytest.raises(RankFailedError) as info:
+        launch(leave_without_a_result, world_size=2, device="cpu", timeout=30)
+    assert info.value.rank == 1
+    assert "exited (code 0) without returning a result" in str(info.value)
+
+
+def killed_while_rank_zero_waits():
+    if dist.get_rank() == 1:
+        time.sleep(0.3)  # rank 0 is in the all_reduce by now
+        os.kill(os.getpid(), signal.SIGKILL)
+    comm.all_reduce(torch.ones(2))  # rank 0's collective breaks when rank 1 vanishes: an echo, not the cause
+    time.sleep(60)
+
+
+def test_the_rank_that_died_first_is_named_not_its_echo():
+    for _ in range(3):  # which rank the launcher sees end first is a race: the answer must not depend on it
+        start = time.time()
+        with pytest.raises(RankFailedError) as info:
+            launch(killed_while_rank_zero_waits, world_size=2, device="cpu", timeout=30)
+        assert time.time() - start < 25
+        assert info.value.rank == 1, str(info.value)
+        assert "killed by signal SIGKILL" in str(info.value)
+
+
+def say_why_then_exit():
+    if dist.get_rank() == 1:
+        print("boom: the real reason", file=sys.stderr, flush=True)
+        os._exit(3)
+    return "rank 0 is fine"
+
+
+def test_a_rank_that_dies_without_a_traceback_shows_its_stderr():
+    with pytest.raises(RankFailedError) as info:
+        launch(say_why_then_exit, world_size=2, device="cpu", timeout=30)
+    assert info.value.rank == 1, str(info.value)
+    assert "code 3" in str(info.value)
+    assert "boom: the real reason" in str(info.value)
 
 
 def test_no_process_group_is_a_clear_error():

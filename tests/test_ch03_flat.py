@@ -302,3 +302,18 @@ def test_state_dict_round_trips(ranks, n, opt):
         assert got["keys"] == ["local", "param_groups", "rank", "shard_numels", "world_size"]
         assert got["sharded"] == 0.0
         assert got["from_torch"] <= ATOL[n]
+
+
+def frozen_weights_after_construction():
+    torch.manual_seed(dist.get_rank())  # each rank builds different weights
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    model[0].requires_grad_(False)
+    FlatOSS(model.parameters(), optim=torch.optim.SGD, lr=0.1)
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_frozen_parameters_it_is_given_start_as_rank_0s():
+    """Used without DDP, FlatOSS is what makes the replicas equal: the frozen ones too, not only those it
+    lays out (before: each rank kept its own frozen weights, silently)."""
+    first, second = launch(frozen_weights_after_construction, world_size=2)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))

@@ -67,6 +67,9 @@ class DistributedDataParallel(nn.Module):
                  process_group=None):
         super().__init__()
         comm.require_process_group()
+        check_module(module, type(self).__name__)
+        if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or not bucket_cap_mb > 0:
+            raise ValueError(f"bucket_cap_mb must be a number of megabytes > 0, got {bucket_cap_mb!r}")
         self.module = module
         self.process_group = process_group
         self.mixed_precision = mixed_precision
@@ -75,7 +78,8 @@ class DistributedDataParallel(nn.Module):
         self._scaled_before_forward = scaled_losses()
         self.broadcast_buffers = broadcast_buffers
         self.find_unused_parameters = find_unused_parameters
-        self.require_backward_grad_sync = True
+        self.require_backward_grad_sync = True   # set by no_sync(), read by forward
+        self._sync_backward = True               # what the last forward decided (the first: buffers go out)
         self.world_size = comm.world_size(process_group)
         comm.sync_from_rank0(list(module.named_parameters()) + list(module.named_buffers()), process_group)
 
@@ -112,11 +116,16 @@ class DistributedDataParallel(nn.Module):
     # -- forward: prepare the bookkeeping for the coming backward ------------------------------------------
     # --8<-- [start:forward]
     def forward(self, *args, **kwargs):
-        if self.broadcast_buffers:
+        # torch's rule: buffers are re-broadcast only when the previous forward led to a synced backward --
+        # not after a forward under no_sync() or no_grad, whose buffer updates each rank keeps.
+        if self.broadcast_buffers and self._sync_backward:
             comm.broadcast_tensors(self.module.buffers(), src=0, group=self.process_group)
         self._scaled_before_forward = scaled_losses()
         out = self._compute(*cast_inputs(self.mixed_precision, args, kwargs))
-        if torch.is_grad_enabled() and self.require_backward_grad_sync:
+        # Whether the coming backward averages the gradients is decided now, as in torch: no_sync() must
+        # surround the forward; around the backward alone it changes nothing.
+        self._sync_backward = torch.is_grad_enabled() and self.require_backward_grad_sync
+        if self._sync_backward:
             for b in self._buckets:
                 b.ready = 0
             self._next = 0
@@ -143,8 +152,8 @@ class DistributedDataParallel(nn.Module):
     # -- backward: hooks fire as gradients land ------------------------------------------------------------
     # --8<-- [start:hooks]
     def _on_grad_ready(self, p: nn.Parameter) -> None:
-        if not self.require_backward_grad_sync:
-            return  # inside no_sync(): let gradients accumulate locally
+        if not self._sync_backward:
+            return  # its forward ran inside no_sync(): gradients accumulate locally
         if not self._finish_queued:
             # Runs once the whole backward pass is done, on the same thread, before backward() returns.
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
@@ -223,7 +232,8 @@ class DistributedDataParallel(nn.Module):
     # --8<-- [start:no_sync]
     @contextlib.contextmanager
     def no_sync(self):
-        """Accumulate gradients locally (no communication) for the backward passes inside this block."""
+        """Accumulate gradients locally (no communication) in the backward passes of the forwards run inside
+        this block (the forward is where the decision is taken, as in torch)."""
         previous, self.require_backward_grad_sync = self.require_backward_grad_sync, False
         try:
             yield
@@ -233,6 +243,21 @@ class DistributedDataParallel(nn.Module):
 
 
 DDP = DistributedDataParallel
+
+
+def check_module(module, wrapper: str) -> None:
+    """A clear error, at construction, for what cannot be wrapped: not a module, or a model some data-parallel
+    wrapper already owns (its gradients would be averaged twice, or its parameters are already shards)."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"{wrapper} wraps a torch.nn.Module (the model), got a {type(module).__name__}: "
+                        f"{str(module)[:60]!r}")
+    for name, m in module.named_modules():
+        replicated = isinstance(m, (DistributedDataParallel, torch.nn.parallel.DistributedDataParallel))
+        sharded = getattr(type(m), "_fsdp_unit", False)
+        if replicated or sharded:
+            where = f"the model's submodule {name!r}" if name else "the model"
+            raise ValueError(f"{wrapper}: {where} is already a {type(m).__name__}; wrap the plain model once "
+                             f"(each wrapper averages or shards the gradients itself)")
 
 
 def _pack(params: list[nn.Parameter], cap_bytes: int) -> list[list[nn.Parameter]]:

@@ -12,19 +12,21 @@ From the command line the same code runs under torchrun, which starts the proces
 
 `launch` notices torchrun's environment (RANK, WORLD_SIZE, ...) and runs `work` in place on each rank.
 
-Failure is loud and bounded: every collective has a timeout, and when one rank raises, the launcher
-stops the others (each prints which rank it is stopping for) and raises `RankFailedError` with the
-failed rank's traceback. Nothing waits forever.
+Failure is loud and bounded: every collective has a timeout, and when one rank raises or dies, the
+launcher stops the others (each prints which rank it is stopping for) and raises `RankFailedError` with
+its traceback (or how it died and the end of its stderr). Nothing waits forever.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import faulthandler
 import importlib
 import multiprocessing as mp
 import os
 import pickle
+import re
 import signal
 import socket
 import sys
@@ -37,6 +39,9 @@ import torch
 import torch.distributed as dist
 
 DEFAULT_TIMEOUT = 60.0  # seconds any one collective may wait for its peers
+# How gloo (and its store) say that a peer vanished: a rank failing so is an echo of that death, not its cause.
+_LOST_PEER = re.compile(r"Connection (closed|reset) by peer|Broken pipe|Connection was likely closed")
+_SIGNAL_NAMES = {s.value: s.name for s in signal.Signals}
 
 # Ask NVML, not the CUDA runtime, how many GPUs there are: the runtime's answer initialises CUDA in this
 # process, and ranks forked from a process with CUDA initialised cannot use their GPU.
@@ -44,7 +49,7 @@ os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
 
 
 class RankFailedError(RuntimeError):
-    """A rank raised (or died); `rank` is the first one that did, `remote_traceback` its traceback."""
+    """A rank raised or died; `rank` is the cause (not an echo of it), `remote_traceback` its traceback."""
 
     def __init__(self, rank: int, message: str, remote_traceback: str = ""):
         self.rank, self.remote_traceback = rank, remote_traceback
@@ -99,7 +104,7 @@ def launch(work: Callable[..., Any], world_size: int = 2, *, args: tuple = (), k
     backend: 'fake' runs only rank 0 of world_size, in this process, with a process group whose
              collectives move no data -- for measuring one rank of a job larger than the machine.
     """
-    if not isinstance(world_size, int) or world_size < 1:
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
     kwargs = kwargs or {}
     if backend == "fake":
@@ -156,6 +161,10 @@ def _rank_main(rank, world_size, device, port, payload, timeout, out_dir, failed
         os._exit(1)
 
     signal.signal(signal.SIGTERM, stop)
+    # Everything written to fd 2 (by Python, by gloo's C++, by faulthandler on a segfault) goes to a file
+    # that the launcher passes on to its own stderr, and quotes if this rank dies without a traceback.
+    os.dup2(os.open(os.path.join(out_dir, f"rank{rank}.stderr"), os.O_WRONLY | os.O_APPEND), 2)
+    faulthandler.enable()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     path = os.path.join(out_dir, f"rank{rank}.pkl")
@@ -167,12 +176,14 @@ def _rank_main(rank, world_size, device, port, payload, timeout, out_dir, failed
             pickle.dump(("ok", result), f)
         os.replace(path + ".tmp", path)  # the launcher only ever sees a whole file
     except BaseException as e:  # noqa: BLE001 -- every failure must reach the launcher
-        with failed_rank.get_lock():  # the first rank to fail is the cause; the others are its echoes
-            if failed_rank.value == -1:
+        lost_peer = _LOST_PEER.search(str(e))
+        with failed_rank.get_lock():  # the first rank to raise is the cause; later ones are its echoes
+            if failed_rank.value == -1 and not lost_peer:
                 failed_rank.value = rank
         if failed_rank.value != rank:
-            print(f"[minifsdp] rank {rank}: exiting because rank {failed_rank.value} failed "
-                  f"(here: {type(e).__name__})", file=sys.stderr, flush=True)
+            why = "a peer vanished" if failed_rank.value == -1 else f"rank {failed_rank.value} failed"
+            print(f"[minifsdp] rank {rank}: exiting because {why} (here: {type(e).__name__})", file=sys.stderr,
+                  flush=True)
         with open(path + ".tmp", "wb") as f:
             pickle.dump(("error", f"{type(e).__name__}: {e}", traceback.format_exc()), f)
         os.replace(path + ".tmp", path)
@@ -224,39 +235,35 @@ def _spawn(work, world_size, args, kwargs, device, timeout):
     # (and for the caller).
     payload = pickle.dumps((work, args, kwargs))
     with tempfile.TemporaryDirectory(prefix="minifsdp-") as out_dir:
+        for r in range(world_size):  # the rank appends its stderr to it
+            open(os.path.join(out_dir, f"rank{r}.stderr"), "wb").close()
         procs = [ctx.Process(target=_rank_main, daemon=True, name=f"minifsdp-rank{r}",
                              args=(r, world_size, device, port, payload, timeout, out_dir, failed_rank))
                  for r in range(world_size)]
         with _rank_environment():
             for p in procs:
                 p.start()
+        ended: dict[int, tuple] = {}  # rank -> what it left behind, in the order the ranks were seen to end
+        sent = [0] * world_size  # bytes of each rank's stderr passed on to ours
         try:
-            while any(p.is_alive() for p in procs):
-                if any(p.exitcode not in (None, 0) and not _succeeded(out_dir, r) for r, p in enumerate(procs)):
-                    break
-                time.sleep(0.02)
-            dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and not _succeeded(out_dir, r)]
-            if dead:
-                with failed_rank.get_lock():
-                    if failed_rank.value == -1:  # died without a Python exception (killed, segfault)
-                        failed_rank.value = dead[0]
-                rank = failed_rank.value
+            while len(ended) < world_size and not _failures(ended):
+                _watch(procs, out_dir, ended, sent)
+            if _failures(ended):
+                rank, message, tb = _blame(procs, out_dir, ended, sent, failed_rank)
+                failed_rank.value = rank  # what the ranks stopped below say they stop for
                 for p in procs:
                     if p.is_alive():
                         p.terminate()
                 for p in procs:
                     p.join(timeout=10)
-                raise RankFailedError(rank, *_error_report(rank, procs[rank], out_dir))
-            results = []
-            for r in range(world_size):
-                with open(os.path.join(out_dir, f"rank{r}.pkl"), "rb") as f:
-                    results.append(pickle.load(f)[1])
-            return results
+                raise RankFailedError(rank, message, tb)
+            return [ended[r][1] for r in range(world_size)]
         finally:
             for p in procs:  # e.g. KeyboardInterrupt in the launcher: never leave ranks behind
                 if p.is_alive():
                     p.kill()
                 p.join()
+            _pass_on_stderr(out_dir, sent, everything=True)
 
 
 @contextlib.contextmanager
@@ -273,20 +280,63 @@ def _rank_environment():
             del os.environ["OMP_WAIT_POLICY"]
 
 
-def _succeeded(out_dir, rank) -> bool:
-    """Whether the rank left a result: if it then died on its way out, the result still stands."""
-    path = os.path.join(out_dir, f"rank{rank}.pkl")
-    if not os.path.exists(path):
-        return False
-    with open(path, "rb") as f:
-        return pickle.load(f)[0] == "ok"
+def _watch(procs, out_dir, ended, sent):
+    """One poll: note what each rank that ended since the last one left behind -- ("ok", result), ("error",
+    message, traceback) or () -- and pass on to our stderr what the ranks wrote to theirs."""
+    for r, p in enumerate(procs):
+        if r not in ended and p.exitcode is not None:
+            path, ended[r] = os.path.join(out_dir, f"rank{r}.pkl"), ()
+            if os.path.exists(path):
+                with open(path, "rb") as f:
+                    ended[r] = pickle.load(f)
+    _pass_on_stderr(out_dir, sent)
+    time.sleep(0.02)
 
 
-def _error_report(rank, proc, out_dir) -> tuple[str, str]:
-    """(message, traceback) a failed rank left behind, or what its exit code says if it left nothing."""
-    path = os.path.join(out_dir, f"rank{rank}.pkl")
-    if not os.path.exists(path):
-        return f"process died with exit code {proc.exitcode}", ""
-    with open(path, "rb") as f:
-        _, message, tb = pickle.load(f)
+def _failures(ended) -> list[int]:
+    """Ranks that ended without a result, in the order seen (a result left before dying on the way out stands)."""
+    return [r for r, left in ended.items() if left[:1] != ("ok",)]
+
+
+def _pass_on_stderr(out_dir, sent, everything=False):
+    """Whole lines only (unless `everything`), so that the ranks' lines never interleave mid-line."""
+    for r in range(len(sent)):
+        with open(os.path.join(out_dir, f"rank{r}.stderr"), "rb") as f:
+            f.seek(sent[r])
+            data = f.read()
+        cut = len(data) if everything else data.rfind(b"\n") + 1
+        if cut:
+            sent[r] += cut
+            sys.stderr.write(data[:cut].decode(errors="replace"))
+
+
+def _blame(procs, out_dir, ended, sent, failed_rank) -> tuple[int, str, str]:
+    """(rank, message, traceback) of the cause: the first rank to raise, unless it raised only that a peer
+    vanished; else the first seen to fail that is no such echo (killed, segfault, os._exit). An echo can end
+    before the death behind it is seen, so until there is a cause, wait (a little) for the ranks to end."""
+    deadline = time.monotonic() + 2
+    while True:
+        failed, first_raised = _failures(ended), failed_rank.value
+        reports = {r: _error_report(r, procs[r].exitcode, ended[r], out_dir) for r in failed}
+        causes = [r for r in [first_raised, *failed] if r in reports and not _LOST_PEER.search("".join(reports[r]))]
+        raised_but_running = first_raised != -1 and first_raised not in ended
+        if (causes and not raised_but_running) or len(ended) == len(procs) or time.monotonic() > deadline:
+            rank = (causes or [first_raised if first_raised in reports else failed[0]])[0]
+            return (rank, *reports[rank])
+        _watch(procs, out_dir, ended, sent)
+
+
+def _error_report(rank, exitcode, left, out_dir) -> tuple[str, str]:
+    """(message, traceback) of a failed rank: the error it left behind, or how its process ended; where there
+    is no traceback (killed, os._exit, an abort in C++), the last lines it wrote to stderr stand in for it."""
+    if left:
+        _, message, tb = left
+    else:
+        how = f"killed by signal {_SIGNAL_NAMES.get(-exitcode, -exitcode)}" if exitcode < 0 else \
+            f"exited (code {exitcode})"
+        message, tb = f"process {how} without returning a result", ""
+    if not tb.strip():
+        with open(os.path.join(out_dir, f"rank{rank}.stderr"), "rb") as f:
+            tail = "\n".join(f.read().decode(errors="replace").splitlines()[-20:]) or "(nothing)"
+        tb = f"(no Python traceback; the last lines rank {rank} wrote to stderr:)\n{tail}"
     return message, tb

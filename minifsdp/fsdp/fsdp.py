@@ -54,7 +54,8 @@ from minifsdp.distributed.launch import current_device
 from minifsdp.fsdp import state_dict, training
 from minifsdp.fsdp.flat_param import FlatParameter, sync_all_gathers
 from minifsdp.fsdp.prefetch import AllGatherLimiter, BackwardPrefetch, ExecutionOrder
-from minifsdp.fsdp.wrap import modules_not_in_units, named_units, wrap_children
+from minifsdp.fsdp.wrap import (modules_not_in_units, named_modules_not_in_units, named_units,
+                                unowned_named_tensors, wrap_children)
 from minifsdp.mixed_precision import (CPUOffload, MixedPrecision, cast_buffers, cast_inputs, check_master_dtype,
                                       scaled_losses, warn_if_unscaled)
 
@@ -93,17 +94,26 @@ class FullyShardedDataParallel(nn.Module):
             raise ValueError(f"backward_prefetch must be BackwardPrefetch.BACKWARD_PRE, .BACKWARD_POST or None, "
                              f"not {backward_prefetch!r}")
         comm.require_process_group()
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"FullyShardedDataParallel wraps a torch.nn.Module (the model), got a "
+                            f"{type(module).__name__}: {str(module)[:60]!r}")
         if isinstance(module, FullyShardedDataParallel) or getattr(module, "_fsdp_wrapped", False):
             raise ValueError(f"{type(module).__name__} is already wrapped in FullyShardedDataParallel; "
                              "wrap each module once (nested units come from auto_wrap_policy)")
+        if auto_wrap_policy is not None and not callable(auto_wrap_policy):
+            hint = (f" (for classes, ModuleWrapPolicy({auto_wrap_policy!r}))"
+                    if isinstance(auto_wrap_policy, (set, list, tuple)) else "")
+            raise TypeError(f"auto_wrap_policy must be a policy such as ModuleWrapPolicy({{Block}}) or "
+                            f"SizeBasedWrapPolicy(min_num_params=...), got {auto_wrap_policy!r}{hint}")
         module._fsdp_wrapped = True
         self.process_group = process_group
         self.reshard_after_forward = reshard_after_forward
         self.backward_prefetch, self.forward_prefetch = backward_prefetch, forward_prefetch
         deferred = any(t.is_meta for t in list(module.parameters()) + list(module.buffers()))
         if sync_module_states:  # every rank starts from rank 0's weights and buffers, as under DDP --
-            # before anything is sharded (afterwards each rank's shard is its own, not rank 0's)
-            comm.sync_from_rank0(list(module.named_parameters()) + list(module.named_buffers()), process_group)
+            # before anything is sharded (afterwards each rank's shard is its own, not rank 0's: so only
+            # what no unit wrapped by hand already owns)
+            comm.sync_from_rank0(unowned_named_tensors(module), process_group)
         if auto_wrap_policy is not None:
             uses = {}
             for name, p in module.named_parameters(remove_duplicate=False):
@@ -155,10 +165,17 @@ class FullyShardedDataParallel(nn.Module):
     # --8<-- [start:flatten_own]
     def _flatten_own_parameters(self) -> list[FlatParameter]:
         """One FlatParameter for the trainable parameters this unit owns, one for the frozen ones."""
-        places = {True: [], False: []}
-        for m in modules_not_in_units(self.module):
+        places, dtypes = {True: [], False: []}, {}
+        for prefix, m in named_modules_not_in_units(self.module):
             for name, p in m.named_parameters(recurse=False):
                 places[p.requires_grad].append((m, name))
+                dtypes.setdefault(p.dtype, []).append(prefix + name)
+        if len(dtypes) > 1:  # one flat tensor has one dtype: casting would silently change the model
+            held = "; ".join(f"{dtype}: {', '.join(names[:4])}{' ...' if len(names) > 4 else ''}"
+                             for dtype, names in dtypes.items())
+            raise ValueError(f"a unit flattens its parameters into one tensor of one dtype, but the unit around "
+                             f"{type(self.module).__name__} holds several ({held}). Give the model one dtype, or "
+                             f"put the parameters of each dtype in units of their own (auto_wrap_policy)")
         return [FlatParameter(places[rg], requires_grad=rg, group=self.process_group)
                 for rg in (True, False) if places[rg]]
     # --8<-- [end:flatten_own]
@@ -286,16 +303,16 @@ class FullyShardedDataParallel(nn.Module):
     def _finish_backward(self) -> None:
         """End of backward (root only): wait for the reduce-scatters, hand the shards to the optimizer."""
         self._retire_finished(wait=True)
-        for unit in self.units():
-            for flat in unit.flat_params:  # no reduce-scatter came to add to it (no_sync, or no gradient)
-                if flat.saved_grad is not None:
-                    flat.param.grad, flat.saved_grad = flat.saved_grad, None
         self._order.recorded = True  # the first step has shown the order: prefetching may use it
         for unit in self.units():
             events.emit(events.COMPUTE_END, f"backward {unit.unit_name}")  # a unit without gradients never ended
             unit._backward_started = False
             for flat in unit.flat_params:
                 flat.reshard()  # the root, and any unit whose parameters got no gradient
+                # no reduce-scatter came to add to the gradient set aside (no_sync, or no gradient this
+                # time): it goes back -- onto the shard, so only once the unit is resharded
+                if flat.saved_grad is not None:
+                    flat.param.grad, flat.saved_grad = flat.saved_grad, None
         self._callback_queued = False
         warn_if_unscaled(self.mixed_precision, self._scaled_before_forward)
     # --8<-- [end:finish_backward]
@@ -325,8 +342,9 @@ class FullyShardedDataParallel(nn.Module):
         """The unsharded state dict, with the names the model had before wrapping (on every rank)."""
         return state_dict.full_state_dict(self)
 
-    def load_full_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
-        state_dict.load_full_state_dict(self, sd)
+    def load_full_state_dict(self, sd: dict[str, torch.Tensor], strict: bool = True):
+        """Checked like nn.Module.load_state_dict (keys, and shapes always); returns (missing, unexpected)."""
+        return state_dict.load_full_state_dict(self, sd, strict)
 
     # -- chapter 9 (training.py) ---------------------------------------------------------------------------------
     def no_sync(self):

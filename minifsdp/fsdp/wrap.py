@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+import torch
 import torch.nn as nn
 
 
@@ -44,17 +45,39 @@ def is_unit(module: nn.Module) -> bool:
     return getattr(type(module), "_fsdp_unit", False)
 
 
-def modules_not_in_units(module: nn.Module):
-    """`module` and its descendants, stopping at nested units (they own their own subtrees)."""
-    yield module
-    for child in module.children():
+def named_modules_not_in_units(module: nn.Module, prefix: str = ""):
+    """(qualified name + ".", module) for `module` and its descendants, stopping at nested units (they own
+    their own subtrees)."""
+    yield prefix, module
+    for name, child in module.named_children():
         if not is_unit(child):
-            yield from modules_not_in_units(child)
+            yield from named_modules_not_in_units(child, f"{prefix}{name}.")
+
+
+def modules_not_in_units(module: nn.Module):
+    return [m for _, m in named_modules_not_in_units(module)]
+
+
+def unowned_params(module: nn.Module) -> list[nn.Parameter]:
+    """Parameters of `module`'s subtree that no nested unit owns yet (a tied one once). A nested unit's
+    own FlatParameter is not among them: it is registered on the unit, where the walk stops."""
+    return list(dict.fromkeys(p for m in modules_not_in_units(module) for p in m.parameters(recurse=False)))
 
 
 def unowned_numel(module: nn.Module) -> int:
-    """Parameters of `module`'s subtree that no nested unit owns yet (a tied one counts once)."""
-    return sum(p.numel() for p in {p for m in modules_not_in_units(module) for p in m.parameters(recurse=False)})
+    return sum(p.numel() for p in unowned_params(module))
+
+
+def unowned_named_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) of the parameters and buffers no nested unit owns: what a unit may broadcast from rank
+    0. A nested unit's tensors are shards by now -- each rank's own -- and must not be overwritten."""
+    found = {}  # id -> (name, tensor): a tied tensor once, under its first name
+    for prefix, m in named_modules_not_in_units(module):
+        for table in (m._parameters, m._buffers):
+            for name, t in table.items():
+                if t is not None:
+                    found.setdefault(id(t), (prefix + name, t))
+    return list(found.values())
 
 
 # --8<-- [start:wrap]
@@ -71,7 +94,7 @@ def wrap_children(module: nn.Module, policy, uses: dict, wrap: Callable[[nn.Modu
         path = f"{prefix}{name}."
         wrap_children(child, policy, uses, wrap, path)
         if policy(child, unowned_numel(child)):
-            for p in child.parameters():
+            for p in unowned_params(child):  # (what nested units own was checked when they were wrapped)
                 outside = [n for n in uses[p] if not n.startswith(path)]
                 if outside:
                     inside = next(n for n in uses[p] if n.startswith(path))

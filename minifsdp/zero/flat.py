@@ -108,11 +108,19 @@ class FlatOSS(torch.optim.Optimizer):
     **defaults:    the optimizer's hyper-parameters (lr=..., weight_decay=...).
 
     Do not wrap the model in DDP: step() averages the gradients itself (reduce-scatter), and rank 0's
-    values of the parameters are broadcast at construction so that every replica starts the same.
+    values of the parameters it is given -- frozen ones too -- are broadcast at construction so that every
+    replica starts the same. An optimizer never sees the model's buffers: used alone, FlatOSS leaves them
+    to the caller (`comm.sync_from_rank0(model.named_buffers())`); FlatShardedDataParallel syncs them.
     """
 
     def __init__(self, params, optim=torch.optim.SGD, bucket_cap_mb: float | None = None, group=None, **defaults):
         comm.require_process_group()
+        if not (isinstance(optim, type) and issubclass(optim, torch.optim.Optimizer)):
+            raise TypeError(f"FlatOSS(optim=...) takes the optimizer's class, which it builds over this rank's "
+                            f"slices (e.g. optim=torch.optim.AdamW, lr=...), not {optim!r}")
+        if bucket_cap_mb is not None and (isinstance(bucket_cap_mb, bool) or
+                                          not isinstance(bucket_cap_mb, (int, float)) or not bucket_cap_mb > 0):
+            raise ValueError(f"bucket_cap_mb must be None or a number of megabytes > 0, got {bucket_cap_mb!r}")
         self.buckets: list[FlatBucket] | None = None  # add_param_group is allowed until the layout exists
         super().__init__(params, defaults)
         self.group = group
@@ -153,7 +161,9 @@ class FlatOSS(torch.optim.Optimizer):
         # --8<-- [end:buffers]
         if not self.buckets:
             raise ValueError("FlatOSS got no trainable parameters")
-        comm.broadcast_tensors(self._buffers, src=0, group=group)
+        laid_out = {p for b in self.buckets for p in b.params}
+        frozen = list(dict.fromkeys(p for pg in self.param_groups for p in pg["params"] if p not in laid_out))
+        comm.broadcast_tensors(self._buffers + frozen, src=0, group=group)
 
         self._local = optim([dict(self._hyper(b.group), params=[b.shard]) for b in self.buckets], **defaults)
         # Complete our groups with the class's defaults, so they read like a plain torch optimizer's.

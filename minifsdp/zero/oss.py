@@ -79,6 +79,9 @@ class OSS(torch.optim.Optimizer):
     def __init__(self, params, optim: type[torch.optim.Optimizer] = torch.optim.SGD,
                  param_sync: str = "broadcast", group=None, **defaults):
         comm.require_process_group()
+        if not (isinstance(optim, type) and issubclass(optim, torch.optim.Optimizer)):
+            raise TypeError(f"OSS(optim=...) takes the optimizer's class, which it builds over this rank's share "
+                            f"(e.g. optim=torch.optim.AdamW, lr=...), not {optim!r}")
         if param_sync not in ("broadcast", "all_gather"):
             raise ValueError(f"param_sync must be 'broadcast' or 'all_gather', not {param_sync!r}")
         self.group = group
