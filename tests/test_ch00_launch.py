@@ -178,3 +178,12 @@ def test_the_readme_example_runs(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     sent = eval(out.stdout.strip().splitlines()[-1])  # one figure per rank, e.g. [117504.0, 117504.0]
     assert len(sent) == 2 and sent[0] == sent[1] > 0
+
+
+def test_gpu_check_says_so_without_a_gpu():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: gpu-check would run for real")
+    out = subprocess.run([sys.executable, "-m", "minifsdp", "gpu-check"], cwd=REPO, capture_output=True, text=True,
+                         timeout=120, env=dict(os.environ, PYTHONPATH=REPO))
+    assert out.returncode == 0, out.stderr
+    assert "no CUDA GPU" in out.stdout

@@ -75,21 +75,26 @@ def _side_stream(kind: str, tensor: torch.Tensor, after_compute: bool):
     if not tensor.is_cuda:
         yield
         return
-    key = (kind, tensor.device)
-    if key not in _side_streams:
-        _side_streams[key] = torch.cuda.Stream(tensor.device)
-    stream = _side_streams[key]
+    stream = _stream(kind, tensor.device)
     if after_compute:
         stream.wait_stream(torch.cuda.current_stream(tensor.device))
     with torch.cuda.stream(stream):
         yield
 
 
+def _stream(kind: str, device: torch.device):
+    if (kind, device) not in _side_streams:
+        _side_streams[(kind, device)] = torch.cuda.Stream(device)
+    return _side_streams[(kind, device)]
+
+
 def sync_all_gathers(device: torch.device) -> None:
-    """The all-gather stream catches up with the compute stream once, where a forward or backward begins:
-    the shards it sends were last written there (by the optimizer)."""
-    if device.type == "cuda" and ("all_gather", device) in _side_streams:
-        _side_streams[("all_gather", device)].wait_stream(torch.cuda.current_stream(device))
+    """The all-gather stream catches up with the compute stream, at every root forward and before every
+    gather outside training (summon_full_params): the shards it sends were last written there (by the
+    optimizer, or the user). Always -- the stream is made here if no all-gather has made it yet, so even
+    the first all-gather cannot read a shard the compute stream is still writing."""
+    if device.type == "cuda":
+        _stream("all_gather", device).wait_stream(torch.cuda.current_stream(device))
 # --8<-- [end:streams]
 
 

@@ -125,10 +125,14 @@ class FullyShardedDataParallel(nn.Module):
                            cpu_offload=cpu_offload, process_group=process_group)
             wrap_children(module, auto_wrap_policy, uses, lambda child: FullyShardedDataParallel(child, **options))
         self.module = module
-        device = device_id or current_device()
+        # device_id: a torch.device, or a GPU's index (0 is a GPU, not "unset")
+        device = torch.device("cuda", device_id) if isinstance(device_id, int) else device_id or current_device()
+        self.device = device
         if deferred:  # chapter 9: this unit's own parameters come to life now, and are sharded at once
             training.materialize(list(modules_not_in_units(module)), param_init_fn, device,
                                  broadcast=sync_module_states, group=process_group)
+        if device_id is not None:  # the tensors this unit owns go to its device (nested units moved theirs)
+            _move_own_tensors(module, device)
         self.mixed_precision = mixed_precision
         check_master_dtype(mixed_precision, module.named_parameters())
         cast_buffers(module, mixed_precision)
@@ -192,8 +196,7 @@ class FullyShardedDataParallel(nn.Module):
         if self.is_root:
             self._scaled_before_forward = scaled_losses()  # fp16 without a loss scaler is warned about
             args, kwargs = cast_inputs(self.mixed_precision, args, kwargs)
-            if self.flat_params:
-                sync_all_gathers(self.flat_params[0]._full.device)
+            sync_all_gathers(self.device)  # every unit's all-gathers: they run on this device's stream
         for flat in self.flat_params:
             flat.unshard(async_op=True)  # start our own all-gather (if not prefetched already) ...
         if self.forward_prefetch:
@@ -325,6 +328,7 @@ class FullyShardedDataParallel(nn.Module):
         """Inside the block every original parameter holds its full value; with writeback=True, changes
         made to them inside the block are kept (each rank copies its slice back into its shard)."""
         flats = [flat for unit in self.units() for flat in unit.flat_params]
+        sync_all_gathers(self.device)  # the shards may have just been written (a step, a load)
         with torch.no_grad(), contextlib.ExitStack() as stack:
             for flat in flats:
                 stack.enter_context(flat.full_precision())  # the fp32 masters, not their bf16 cast
@@ -388,3 +392,13 @@ def _refuse_flattened_params(optimizer, args, kwargs):
 
 register_optimizer_step_pre_hook(_refuse_flattened_params)
 # --8<-- [end:refuse]
+
+
+def _move_own_tensors(module: nn.Module, device: torch.device) -> None:
+    """module.to(device) for the parameters and buffers no nested unit owns -- a nested unit's are shards
+    held by its FlatParameter, which module.to() would move behind its back."""
+    with torch.no_grad():
+        for m in modules_not_in_units(module):
+            for t in list(m._parameters.values()) + list(m._buffers.values()):
+                if t is not None and t.device != device:
+                    t.data = t.data.to(device)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from minifsdp.distributed import comm
+from minifsdp.distributed.launch import current_device
 
 
 # --8<-- [start:clip]
@@ -24,8 +25,10 @@ def clip_sharded_grad_norm_(grads: list[torch.Tensor], max_norm: float, norm_typ
                             group=None) -> torch.Tensor:
     """Clip gradients sliced disjointly across ranks as if they were one; returns the total norm (before)."""
     p = float(norm_type)
+    device = current_device()  # where the collective runs (NCCL: this rank's GPU), wherever the grads live
     # BEGIN EXERCISE 9.2: the norm of the whole gradient from each rank's partial sum (or max)
-    norms = torch.stack([torch.linalg.vector_norm(g, p) for g in grads]) if grads else torch.zeros(1)
+    norms = torch.stack([torch.linalg.vector_norm(g, p).to(device) for g in grads]) if grads \
+        else torch.zeros(1, device=device)
     if p == float("inf"):
         total = norms.max().clone()
         comm.all_reduce(total, op=comm.ReduceOp.MAX, tag="clip_grad_norm", group=group)
@@ -36,6 +39,6 @@ def clip_sharded_grad_norm_(grads: list[torch.Tensor], max_norm: float, norm_typ
     # END EXERCISE
     coef = (max_norm / (total + 1e-6)).clamp(max=1.0)  # torch's formula, so the results agree
     for g in grads:
-        g.mul_(coef)
+        g.mul_(coef.to(g.device))  # in place, where each gradient lives (CPU offload: the host)
     return total
 # --8<-- [end:clip]
