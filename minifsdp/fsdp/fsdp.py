@@ -54,8 +54,8 @@ from minifsdp.distributed.launch import current_device
 from minifsdp.fsdp import state_dict, training
 from minifsdp.fsdp.flat_param import FlatParameter, sync_all_gathers
 from minifsdp.fsdp.prefetch import AllGatherLimiter, BackwardPrefetch, ExecutionOrder
-from minifsdp.fsdp.wrap import (modules_not_in_units, named_modules_not_in_units, named_units,
-                                unowned_named_tensors, wrap_children)
+from minifsdp.fsdp.wrap import (as_policy, modules_not_in_units, move_own_tensors, named_modules_not_in_units,
+                                named_units, unowned_named_tensors, wrap_children)
 from minifsdp.mixed_precision import (CPUOffload, MixedPrecision, cast_buffers, cast_inputs, check_master_dtype,
                                       scaled_losses, warn_if_unscaled)
 
@@ -105,6 +105,7 @@ class FullyShardedDataParallel(nn.Module):
                     if isinstance(auto_wrap_policy, (set, list, tuple)) else "")
             raise TypeError(f"auto_wrap_policy must be a policy such as ModuleWrapPolicy({{Block}}) or "
                             f"SizeBasedWrapPolicy(min_num_params=...), got {auto_wrap_policy!r}{hint}")
+        auto_wrap_policy = auto_wrap_policy and as_policy(auto_wrap_policy)  # PyTorch's policies work too
         module._fsdp_wrapped = True
         self.process_group = process_group
         self.reshard_after_forward = reshard_after_forward
@@ -132,7 +133,7 @@ class FullyShardedDataParallel(nn.Module):
             training.materialize(list(modules_not_in_units(module)), param_init_fn, device,
                                  broadcast=sync_module_states, group=process_group)
         if device_id is not None:  # the tensors this unit owns go to its device (nested units moved theirs)
-            _move_own_tensors(module, device)
+            move_own_tensors(module, device)
         self.mixed_precision = mixed_precision
         check_master_dtype(mixed_precision, module.named_parameters())
         cast_buffers(module, mixed_precision)
@@ -392,13 +393,3 @@ def _refuse_flattened_params(optimizer, args, kwargs):
 
 register_optimizer_step_pre_hook(_refuse_flattened_params)
 # --8<-- [end:refuse]
-
-
-def _move_own_tensors(module: nn.Module, device: torch.device) -> None:
-    """module.to(device) for the parameters and buffers no nested unit owns -- a nested unit's are shards
-    held by its FlatParameter, which module.to() would move behind its back."""
-    with torch.no_grad():
-        for m in modules_not_in_units(module):
-            for t in list(m._parameters.values()) + list(m._buffers.values()):
-                if t is not None and t.device != device:
-                    t.data = t.data.to(device)

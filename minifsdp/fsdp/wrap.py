@@ -13,6 +13,7 @@ The walks here stop at units: a unit's subtree belongs to it. A module is a unit
 
 from __future__ import annotations
 
+import inspect
 from typing import Callable
 
 import torch
@@ -39,6 +40,30 @@ class SizeBasedWrapPolicy:
     def __call__(self, module: nn.Module, unowned_numel: int) -> bool:
         return unowned_numel >= self.min_num_params
 # --8<-- [end:policies]
+
+
+def as_policy(policy):
+    """A policy of PyTorch's FSDP1 works too, so a script written for it runs with the import changed:
+    size_based_auto_wrap_policy and transformer_auto_wrap_policy (through functools.partial) and its
+    ModuleWrapPolicy are asked (module, recurse, nonwrapped_numel) -- first, with recurse=True, whether to
+    look inside the module at all; then, with recurse=False, whether to wrap it. Ours are asked the second
+    question only, and always looked inside."""
+    try:
+        torch_style = "recurse" in inspect.signature(policy).parameters
+    except (TypeError, ValueError):  # a callable without a signature: take it as ours
+        torch_style = False
+    return _TorchPolicy(policy) if torch_style else policy
+
+
+class _TorchPolicy:
+    def __init__(self, fn):
+        self.fn = fn
+
+    def recurse(self, module: nn.Module, nonwrapped_numel: int) -> bool:
+        return self.fn(module=module, recurse=True, nonwrapped_numel=nonwrapped_numel)
+
+    def __call__(self, module: nn.Module, unowned_numel: int) -> bool:
+        return self.fn(module=module, recurse=False, nonwrapped_numel=unowned_numel)
 
 
 def is_unit(module: nn.Module) -> bool:
@@ -80,6 +105,16 @@ def unowned_named_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return list(found.values())
 
 
+def move_own_tensors(module: nn.Module, device: torch.device) -> None:
+    """module.to(device) for the parameters and buffers no nested unit owns -- a nested unit's are shards
+    held by its FlatParameter, which module.to() would move behind its back."""
+    with torch.no_grad():
+        for m in modules_not_in_units(module):
+            for t in list(m._parameters.values()) + list(m._buffers.values()):
+                if t is not None and t.device != device:
+                    t.data = t.data.to(device)
+
+
 # --8<-- [start:wrap]
 def wrap_children(module: nn.Module, policy, uses: dict, wrap: Callable[[nn.Module], nn.Module],
                   prefix: str = "") -> None:
@@ -91,6 +126,8 @@ def wrap_children(module: nn.Module, policy, uses: dict, wrap: Callable[[nn.Modu
     for name, child in module.named_children():
         if is_unit(child):
             continue
+        if hasattr(policy, "recurse") and not policy.recurse(child, unowned_numel(child)):
+            continue  # a PyTorch policy says: leave this subtree alone (too small, or a leaf module)
         path = f"{prefix}{name}."
         wrap_children(child, policy, uses, wrap, path)
         if policy(child, unowned_numel(child)):

@@ -124,7 +124,8 @@ class MemoryMeter:
     def _refresh(self) -> None:
         """Re-read every live storage's size: code we do not control (torch's FSDP2, say) may resize a
         storage in place, which no op reports. O(live storages) per op: fine for a meter, not for speed."""
-        for entry in self._live.values():
+        # (a copy: a storage freed while we read -- its weakref callback runs at once -- leaves the dict)
+        for entry in list(self._live.values()):
             storage = entry[2]()
             if storage is not None and storage.nbytes() != entry[0]:
                 self._by_cat[entry[1]] += storage.nbytes() - entry[0]
