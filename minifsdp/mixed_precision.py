@@ -157,10 +157,14 @@ class ShardedGradScaler:
         self.unscale_(optimizer)
         return None if self._found_inf[id(optimizer)] else optimizer.step(*args, **kwargs)
 
-    def update(self) -> None:
+    def update(self, new_scale: float | torch.Tensor | None = None) -> None:
+        """After the step: back off after an overflow, grow after growth_interval clean steps -- or, as
+        torch's update(new_scale), take the scale given (the growth count is left as it is)."""
         if not self.enabled:
             return
-        if any(self._found_inf.values()):
+        if new_scale is not None:
+            self.scale_value = float(new_scale)
+        elif any(self._found_inf.values()):
             self.scale_value *= self.backoff_factor
             self._growth_tracker = 0
         else:

@@ -237,7 +237,7 @@ def test_scaler_skips_on_every_rank_when_one_shard_overflows(ranks, n):
         assert run["taken"] == [0, 2]  # and skipped step 1: no rank stepped its shards alone
 
 
-def _scaler_run(ours):
+def _scaler_run(ours, set_scale_at=None):
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
@@ -248,7 +248,7 @@ def _scaler_run(ours):
         x = torch.randn(16, 4, generator=torch.Generator().manual_seed(step))
         scaler.scale(net(x).pow(2).mean() * 4).backward()  # 4 x 2^127 is beyond fp32
         scaler.step(opt)
-        scaler.update()
+        scaler.update(2.0 ** 100 if step == set_scale_at else None)  # torch's update(new_scale)
         scales.append(float(scaler.get_scale()))
         opt.zero_grad()
     return scales, [p.detach().clone() for p in net.parameters()]
@@ -333,3 +333,10 @@ def test_bad_input_gets_a_message_that_names_the_problem():
     assert "build the optimizer after wrapping" in errors["optimizer built before"]
     assert "host memory" in errors["moved"] and "meta" in errors["moved"]
 
+
+def test_scaler_update_takes_a_new_scale_as_torchs():
+    """update(new_scale) sets the scale, and the schedule goes on from there as torch's does."""
+    ours = launch(_scaler_run, world_size=1, args=(True, 20), device="cpu")[0]
+    theirs = _scaler_run(False, 20)
+    assert ours[0] == theirs[0] and ours[0][20] == 2.0 ** 100
+    assert all(torch.equal(a, b) for a, b in zip(ours[1], theirs[1]))
