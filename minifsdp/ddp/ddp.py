@@ -68,8 +68,7 @@ class DistributedDataParallel(nn.Module):
         super().__init__()
         comm.require_process_group()
         check_module(module, type(self).__name__)
-        if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or not bucket_cap_mb > 0:
-            raise ValueError(f"bucket_cap_mb must be a number of megabytes > 0, got {bucket_cap_mb!r}")
+        check_bucket_cap_mb(bucket_cap_mb)
         self.module = module
         self.process_group = process_group
         self.mixed_precision = mixed_precision
@@ -245,12 +244,16 @@ class DistributedDataParallel(nn.Module):
 DDP = DistributedDataParallel
 
 
-def check_module(module, wrapper: str) -> None:
-    """A clear error, at construction, for what cannot be wrapped: not a module, or a model some data-parallel
-    wrapper already owns (its gradients would be averaged twice, or its parameters are already shards)."""
+def require_module(module, wrapper: str) -> None:
     if not isinstance(module, nn.Module):
         raise TypeError(f"{wrapper} wraps a torch.nn.Module (the model), got a {type(module).__name__}: "
                         f"{str(module)[:60]!r}")
+
+
+def check_module(module, wrapper: str) -> None:
+    """A clear error, at construction, for what cannot be wrapped: not a module, or a model some data-parallel
+    wrapper already owns (its gradients would be averaged twice, or its parameters are already shards)."""
+    require_module(module, wrapper)
     for name, m in module.named_modules():
         replicated = isinstance(m, (DistributedDataParallel, torch.nn.parallel.DistributedDataParallel))
         sharded = getattr(type(m), "_fsdp_unit", False)
@@ -258,6 +261,14 @@ def check_module(module, wrapper: str) -> None:
             where = f"the model's submodule {name!r}" if name else "the model"
             raise ValueError(f"{wrapper}: {where} is already a {type(m).__name__}; wrap the plain model once "
                              f"(each wrapper averages or shards the gradients itself)")
+
+
+def check_bucket_cap_mb(value, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"bucket_cap_mb must be {'None or ' if allow_none else ''}a number of megabytes > 0, "
+                         f"got {value!r}")
 
 
 def _pack(params: list[nn.Parameter], cap_bytes: int) -> list[list[nn.Parameter]]:

@@ -49,6 +49,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._pytree import tree_leaves
 
 from minifsdp import events
+from minifsdp.ddp.ddp import require_module
 from minifsdp.distributed import comm
 from minifsdp.distributed.launch import current_device
 from minifsdp.fsdp import state_dict, training
@@ -94,9 +95,7 @@ class FullyShardedDataParallel(nn.Module):
             raise ValueError(f"backward_prefetch must be BackwardPrefetch.BACKWARD_PRE, .BACKWARD_POST or None, "
                              f"not {backward_prefetch!r}")
         comm.require_process_group()
-        if not isinstance(module, nn.Module):
-            raise TypeError(f"FullyShardedDataParallel wraps a torch.nn.Module (the model), got a "
-                            f"{type(module).__name__}: {str(module)[:60]!r}")
+        require_module(module, "FullyShardedDataParallel")  # (units nested inside are allowed, unlike DDP)
         if isinstance(module, FullyShardedDataParallel) or getattr(module, "_fsdp_wrapped", False):
             raise ValueError(f"{type(module).__name__} is already wrapped in FullyShardedDataParallel; "
                              "wrap each module once (nested units come from auto_wrap_policy)")

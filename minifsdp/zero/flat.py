@@ -47,8 +47,9 @@ import math
 import torch
 import torch.nn as nn
 
-from minifsdp.ddp.ddp import _pack
+from minifsdp.ddp.ddp import _pack, check_bucket_cap_mb
 from minifsdp.distributed import comm
+from minifsdp.zero.oss import require_optimizer_class
 
 # --8<-- [start:layout]
 # Each param starts on a 64-byte boundary, as it would in a tensor of its own: CPU matrix kernels take
@@ -115,12 +116,8 @@ class FlatOSS(torch.optim.Optimizer):
 
     def __init__(self, params, optim=torch.optim.SGD, bucket_cap_mb: float | None = None, group=None, **defaults):
         comm.require_process_group()
-        if not (isinstance(optim, type) and issubclass(optim, torch.optim.Optimizer)):
-            raise TypeError(f"FlatOSS(optim=...) takes the optimizer's class, which it builds over this rank's "
-                            f"slices (e.g. optim=torch.optim.AdamW, lr=...), not {optim!r}")
-        if bucket_cap_mb is not None and (isinstance(bucket_cap_mb, bool) or
-                                          not isinstance(bucket_cap_mb, (int, float)) or not bucket_cap_mb > 0):
-            raise ValueError(f"bucket_cap_mb must be None or a number of megabytes > 0, got {bucket_cap_mb!r}")
+        require_optimizer_class(optim, "FlatOSS")
+        check_bucket_cap_mb(bucket_cap_mb, allow_none=True)
         self.buckets: list[FlatBucket] | None = None  # add_param_group is allowed until the layout exists
         super().__init__(params, defaults)
         self.group = group

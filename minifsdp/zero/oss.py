@@ -47,6 +47,13 @@ def partition_parameters(param_groups: list[dict], world_size: int) -> list[list
 # --8<-- [end:partition]
 
 
+def require_optimizer_class(optim, sharded: str) -> None:
+    """A sharded optimizer builds the local optimizer itself, over this rank's part: it needs the class."""
+    if not (isinstance(optim, type) and issubclass(optim, torch.optim.Optimizer)):
+        raise TypeError(f"{sharded}(optim=...) takes the optimizer's class, which it builds over this rank's "
+                        f"part (e.g. optim=torch.optim.AdamW, lr=...), not {optim!r}")
+
+
 def partition_by_order(param_groups: list[dict], world_size: int) -> list[list[torch.Tensor]]:
     """The naive alternative, for comparison: N consecutive runs of about Ψ/N elements each, in order."""
     params = [p for group in param_groups for p in group["params"]]
@@ -79,9 +86,7 @@ class OSS(torch.optim.Optimizer):
     def __init__(self, params, optim: type[torch.optim.Optimizer] = torch.optim.SGD,
                  param_sync: str = "broadcast", group=None, **defaults):
         comm.require_process_group()
-        if not (isinstance(optim, type) and issubclass(optim, torch.optim.Optimizer)):
-            raise TypeError(f"OSS(optim=...) takes the optimizer's class, which it builds over this rank's share "
-                            f"(e.g. optim=torch.optim.AdamW, lr=...), not {optim!r}")
+        require_optimizer_class(optim, "OSS")
         if param_sync not in ("broadcast", "all_gather"):
             raise ValueError(f"param_sync must be 'broadcast' or 'all_gather', not {param_sync!r}")
         self.group = group
