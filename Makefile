@@ -25,6 +25,7 @@ figures:          ## regenerate every figure and table the chapters include
 	$(PY) bench/fsdp_vs_torch.py > chapters/generated/fsdp_bench.md
 	$(PY) -m minifsdp precision --world-size 2 --markdown chapters/generated/precision.md --plot chapters/figures/precision_loss.png
 	$(PY) -m minifsdp options --world-size 2 --markdown chapters/generated/training_options.md
+	$(PY) -m minifsdp parity --world-sizes 1 2 3 4 --markdown chapters/generated/parity.md
 	grep -cvE '^\s*(#|$$)' minifsdp/ddp/ddp.py minifsdp/zero/oss.py minifsdp/zero/sdp.py minifsdp/zero/flat.py minifsdp/zero/flat_sdp.py > chapters/generated/loc.txt
 
 docs:             ## build the site into site/ (fails on any broken link or include)

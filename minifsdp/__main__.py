@@ -9,6 +9,7 @@
     python -m minifsdp prefetch-memory [--world-sizes 2 4]                  chapter 7: what prefetching costs
     python -m minifsdp precision [--world-size 2]                           chapter 8: memory and bytes per precision
     python -m minifsdp options [--world-size 2]                             chapter 9: accumulation, checkpointing, init
+    python -m minifsdp parity [--world-sizes 1 2 3 4]                       chapter 6: parity of every strategy vs torch
     python -m minifsdp gpu-check [--markdown PATH]                          every strategy on NCCL (GPUs only)
     python -m minifsdp demo [--world-size 3]                                all-reduce = reduce-scatter + all-gather
     python -m minifsdp student OUT_DIR                                      a student copy, solutions removed
@@ -80,6 +81,11 @@ def main(argv: list[str] | None = None) -> int:
     opts.add_argument("--world-size", type=int, default=2)
     opts.add_argument("--markdown", default=None)
 
+    parity = sub.add_parser("parity", help="the parity matrix: every strategy on odd, tied, frozen, unused, BatchNorm, "
+                                           "reused and float64 models vs torch's DDP (or FSDP1), at each world size")
+    parity.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2, 3, 4])
+    parity.add_argument("--markdown", default=None)
+
     gpu = sub.add_parser("gpu-check", help="every strategy on CUDA + NCCL vs torch's DDP: parity, allocator "
                                            "memory, bytes (says so and exits 0 without a GPU)")
     gpu.add_argument("--steps", type=int, default=5)
@@ -126,6 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     elif args.command == "options":
         from minifsdp.reports.options import run_options_report
         run_options_report(world_size=args.world_size, markdown=args.markdown)
+    elif args.command == "parity":
+        from minifsdp.reports.parity import run_parity_report
+        return run_parity_report(world_sizes=args.world_sizes, markdown=args.markdown)
     elif args.command == "gpu-check":
         from minifsdp.reports.gpu_check import run_gpu_check
         return run_gpu_check(markdown=args.markdown, steps=args.steps)

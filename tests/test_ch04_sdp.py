@@ -172,7 +172,7 @@ def test_synced_backwards_without_zero_grad_accumulate_as_under_ddp(ranks):
 def freeze_after_building():
     net = ToyModel(seed=0)
     opt = OSS(net.parameters(), optim=torch.optim.SGD, lr=0.1)
-    model = ShardedDataParallel(net, opt, find_unused_parameters=True)
+    model = ShardedDataParallel(net, opt, auto_refresh_trainable=False, find_unused_parameters=True)
     x, y, mask = batch("toy", 0, 4, dist.get_rank(), dist.get_world_size(), "cpu")
     net.out.requires_grad_(False)
     try:

@@ -59,14 +59,18 @@ def ranks():
 @pytest.mark.parametrize("n", WORLD_SIZES)
 def test_flatten_pad_and_shard(ranks, n):
     m = odd_module()
-    full = torch.cat([p.detach().reshape(-1) for p in (m[0].weight, m[0].bias, m[1].weight, m[1].bias)])
+    params = [p.detach().reshape(-1) for p in (m[0].weight, m[0].bias, m[1].weight, m[1].bias)]
     res = ranks[n]
-    assert res[0]["numel"] == full.numel() == 7 * 15 + 15 + 16 * 17 + 17
-    shard = res[0]["shard_numel"]
-    assert shard == -(-full.numel() // n)
+    assert res[0]["numel"] == sum(p.numel() for p in params) == 7 * 15 + 15 + 16 * 17 + 17
+    # each parameter starts on a 64-byte boundary (16 fp32 elements): 0, 112, 128, 400; the end, 417, is
+    # padded to a multiple of both 16 and N (16 for N = 1, 2, 4; 48 for N = 3): 432 in every case here
+    offsets, padded_numel = [0, 112, 128, 400], 432
+    assert res[0]["shard_numel"] * n == padded_numel
     padded = torch.cat([res[r]["shard"] for r in range(n)])
-    assert torch.equal(padded[: full.numel()], full)
-    assert torch.count_nonzero(padded[full.numel():]) == 0  # the padding is zeros
+    expected = torch.zeros(padded_numel)  # the gaps and the tail are zeros
+    for p, offset in zip(params, offsets):
+        expected[offset: offset + p.numel()] = p
+    assert torch.equal(padded, expected)
     assert res[0]["sharded_weight_numel"] == 0  # while sharded, the original holds nothing
 
 

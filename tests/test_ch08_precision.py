@@ -308,18 +308,17 @@ def _bad_inputs():
     net = TinyGPT()
     before = torch.optim.SGD(net.parameters(), lr=0.1)  # built on the parameters FSDP is about to take
     model = FSDP(net, auto_wrap_policy=ModuleWrapPolicy({Block}), cpu_offload=CPUOffload(offload_params=True))
-    loss_of("gpt", model, batch("gpt", 0, 12, 0, 1, "cpu")).backward()
-    try:
-        before.step()
+    try:  # caught at the first forward, before a step could silently train nothing
+        loss_of("gpt", model, batch("gpt", 0, 12, 0, 1, "cpu")).backward()
     except RuntimeError as e:
         errors["optimizer built before"] = str(e)
+    del before
     assert all(getattr(p, "_offloaded", False) and p.device.type == "cpu" for p in model.parameters())
     # An offloaded shard that is no longer on the CPU (model.cuda() after wrapping does that on a GPU
     # machine): a CPU-only machine has one other device to put a parameter on, meta.
-    moved = torch.nn.Parameter(torch.empty(3, device="meta"))
-    moved._offloaded = True
+    model.to("meta")
     try:
-        torch.optim.SGD([moved], lr=0.1).step()
+        loss_of("gpt", model, batch("gpt", 0, 12, 0, 1, "cpu")).backward()
     except RuntimeError as e:
         errors["moved"] = str(e)
     return errors

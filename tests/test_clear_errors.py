@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from minifsdp import FSDP, OSS, DistributedDataParallel, FlatOSS, launch
+from minifsdp import FSDP, OSS, DistributedDataParallel, FlatOSS, RankFailedError, launch
 from minifsdp.models import Block, TinyGPT
 
 CASES = {
@@ -65,3 +65,40 @@ def test_error_names_the_problem(results, name):
     _, expected_kind, pattern = CASES[name]
     assert kind is expected_kind, message
     assert re.search(pattern, message), message
+
+
+class _Branch(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+class _TwoBranches(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = _Branch(), _Branch()
+
+    def forward(self, x, skip_b):
+        return self.a(x) if skip_b else self.b(self.a(x))
+
+
+def _unit_on_some_ranks_only():
+    import torch.distributed as dist
+
+    from minifsdp.fsdp import FSDP, ModuleWrapPolicy
+
+    model = FSDP(_TwoBranches(), auto_wrap_policy=ModuleWrapPolicy({_Branch}))
+    model(torch.ones(2, 4), dist.get_rank() == 1).sum().backward()  # unit 'b' runs on rank 0 only
+
+
+def test_a_unit_used_on_some_ranks_only_is_named_when_its_collective_times_out():
+    with pytest.raises(RankFailedError) as failed:
+        launch(_unit_on_some_ranks_only, world_size=2, timeout=3)
+    message = str(failed.value)
+    # the rank that fails first names its collective; the other one's, when it says so in time, follows:
+    # rank 0 in unit b's all-gather, rank 1 already in unit a's reduce-scatter -- each its 8th collective
+    assert "CollectiveError" in message and "some ranks only" in message
+    assert "all_gather 'unshard b', collective #8" in message or "reduce_scatter 'reduce_scatter a', collective #8" in message

@@ -20,12 +20,18 @@ which names each dimension's group after the dimension). Ranks passed to a colle
 ranks *within* the group, as the algorithms think of them: owner 1 of a group of ranks {2, 3} is rank 3.
 
 A counter can also record each collective's issue and completion times, and the time this rank spent
-blocked waiting for one, for timelines (chapter 7). For teaching, `throttled(...)` makes the network slow
-enough to see on a laptop.
+blocked waiting for one, for timelines (chapter 7). On a GPU those times are CUDA events, read only once
+the timeline ends: NCCL returns from a collective, and completes its future, as soon as the kernels are
+queued, and a wait blocks a stream, not the CPU, so only the GPU can say when the bytes moved and who
+waited. For teaching, `throttled(...)` makes the network slow enough to see on a laptop.
+
+Versions: the declared minimum torch (pyproject.toml) has every call made here except the single-tensor
+collectives' newest names, which are looked up where they are made (see `_all_gather_single`).
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import math
@@ -107,6 +113,10 @@ class CommEvent:
     tag: str = ""
     start: float = float("nan")  # when the (simulated) link began moving it: after the collectives ahead of it
     group: str = "world"         # the process group's name (group_name)
+    # on a GPU, (start, end) CUDA events in place of the host's `start` and `done`, which there only say when
+    # the CPU queued the work: start once the collectives ahead of it in its group are done and its input
+    # is ready, end once it is complete
+    cuda: tuple | None = None
 
 
 @dataclass
@@ -115,6 +125,9 @@ class Wait:
     start: float
     end: float
     tag: str
+    # on a GPU, (arrival, done) CUDA events: a wait blocks the stream, not the CPU, from the moment the stream
+    # reaches it (arrival) until the collective is done -- not at all if it was done by then
+    cuda: tuple | None = None
 
 
 @dataclass
@@ -180,16 +193,49 @@ def throttled(bandwidth: float = 50e6, latency: float = 1e-3):
 # --8<-- [end:throttle]
 
 
+class CollectiveError(RuntimeError):
+    """A collective failed or timed out: which one, on which rank, and the usual reason why."""
+
+
+def _where_the_others_are(here: str, patience: float = 2.0) -> str:
+    """After a collective failed: leave where this rank was in the rendezvous store, and read where the
+    others were, as far as they say so within `patience` seconds (those that failed too say so)."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.set(f"minifsdp/stuck/{rank()}", here)
+        others, deadline = {}, time.perf_counter() + patience
+        while len(others) < world_size() - 1 and time.perf_counter() < deadline:
+            for r in set(range(world_size())) - {rank()} - set(others):
+                if store.check([f"minifsdp/stuck/{r}"]):
+                    others[r] = store.get(f"minifsdp/stuck/{r}").decode()
+            time.sleep(0.05)
+    except Exception:  # noqa: BLE001 -- the store is gone too: say what this rank knows
+        return ""
+    return "".join(f"rank {r} was in {where}\n" for r, where in sorted(others.items()))
+
+
 class Handle:
     """What an async collective returns: wait() blocks until it is done (and records how long it blocked)."""
 
-    def __init__(self, work, events, not_before: float, tag: str):
+    def __init__(self, work, events, not_before: float, tag: str, cuda_done=None, where: str = ""):
         self._work, self._events, self._not_before, self._tag = work, events, not_before, tag
+        self._cuda_done = cuda_done  # on a GPU, while recording: the event that marks the collective done
+        self._where = where          # "all_gather 'unshard blocks.1', collective #12 of group 'world'"
 
     def wait(self) -> None:
+        arrival = _cuda_stamp() if self._cuda_done is not None and self._work is not None else None
         t0 = time.perf_counter()
         if self._work is not None:
-            self._work.wait()
+            try:
+                self._work.wait()
+            except RuntimeError as e:  # a timeout, or a peer gone: say which collective this rank was in
+                raise CollectiveError(
+                    f"rank {rank()} waited in {self._where} and it failed: {str(e).splitlines()[0]}\n"
+                    f"{_where_the_others_are(self._where)}"
+                    f"Every rank of a group must issue the same collectives in the same order. Usual causes: "
+                    f"a FullyShardedDataParallel unit (named in the tag) that ran its forward or backward on "
+                    f"some ranks only, a branch of the model taken on some ranks only, or a rank that stopped "
+                    f"early or died (see its own error)") from e
             self._work = None
         if self._not_before > t0:   # the simulated network has not delivered it yet
             time.sleep(self._not_before - t0)
@@ -198,8 +244,9 @@ class Handle:
             if math.isnan(e.done):  # no completion seen by the backend's callback: waiting is when we know
                 e.done = t1
         for c in _active:
-            if c.record and t1 > t0:
-                c.waits.append(Wait(t0, t1, self._tag))
+            if c.record and (arrival is not None or t1 > t0):
+                cuda = None if arrival is None else (arrival, self._cuda_done)
+                c.waits.append(Wait(t0, t1, self._tag, cuda=cuda))
 
     def is_completed(self) -> bool:
         done = self._work is None or self._work.is_completed()
@@ -218,8 +265,11 @@ def _stamp_completion(work, events, not_before: float) -> None:
         pass
 
 
+_issued: collections.Counter = collections.Counter()  # group name -> collectives issued on it by this rank
+
+
 # --8<-- [start:issue]
-def _issue(kind: str, nbytes: int, call, async_op: bool, tag: str, group):
+def _issue(kind: str, nbytes: int, call, async_op: bool, tag: str, group, device=None):
     """Count, call, and (for a blocking call) wait: the bookkeeping every collective shares."""
     n = world_size(group)
     sent = ring_bytes(kind, nbytes, n) if kind != "object" else nbytes * (n - 1)
@@ -234,10 +284,18 @@ def _issue(kind: str, nbytes: int, call, async_op: bool, tag: str, group):
             events.append(CommEvent(kind, sent, issued, tag=tag, start=start, done=not_before or float("nan"),
                                     group=name))
             c.events.append(events[-1])
+    on_gpu = bool(events) and device is not None and device.type == "cuda"
+    timing = _cuda_begin(group, device) if on_gpu else None
     work = call(async_op=True)
-    if events and work is not None:
+    cuda = _cuda_end(timing, work) if timing is not None else None
+    if cuda is not None:
+        for e in events:
+            e.cuda = cuda
+    elif events and work is not None:
         _stamp_completion(work, events, not_before)
-    handle = Handle(work, events, not_before, tag)
+    _issued[name] += 1
+    where = f"{kind} {tag!r}, collective #{_issued[name]} of group {name!r} on this rank"
+    handle = Handle(work, events, not_before, tag, cuda_done=None if cuda is None else cuda[1], where=where)
     if async_op:
         return handle
     handle.wait()
@@ -245,56 +303,114 @@ def _issue(kind: str, nbytes: int, call, async_op: bool, tag: str, group):
 # --8<-- [end:issue]
 
 
+# --8<-- [start:cuda_timing]
+_timing_streams: dict = {}  # (process group, device) -> the stream that follows that group's collectives
+
+
+def _cuda_stamp(stream=None):
+    event = torch.cuda.Event(enable_timing=True)
+    event.record(stream)
+    return event
+
+
+def _cuda_begin(group, device):
+    """Before the collective is issued: a stream of the group's own, which only waits and records, joins
+    the issuing stream here. Having waited for the collectives issued before in this group, its start event
+    marks when the link is free and the input is ready -- when NCCL, which runs one group's collectives one
+    after another, can start this one."""
+    key = (group, device)
+    if key not in _timing_streams:
+        _timing_streams[key] = torch.cuda.Stream(device)
+    stream = _timing_streams[key]
+    stream.wait_stream(torch.cuda.current_stream(device))
+    return stream, _cuda_stamp(stream)
+
+
+def _cuda_end(timing, work):
+    """After the collective is issued: the timing stream waits for it -- a wait that blocks that stream only
+    (not the CPU, not the streams doing the work) -- and records its end. Returns (start, end)."""
+    stream, start = timing
+    with torch.cuda.stream(stream):
+        if work is not None:
+            try:
+                # NCCL's future holds an event on its stream: waiting on it blocks the current stream only.
+                # Not work.wait(), which would also release the tensors NCCL is still using to the allocator,
+                # as if the caller had waited
+                work.get_future().wait()
+            except (RuntimeError, AttributeError):  # a backend without futures
+                work.wait()
+        return start, _cuda_stamp(stream)
+# --8<-- [end:cuda_timing]
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+# torch 2.13 renamed the single-tensor collectives (all_gather_into_tensor -> all_gather_single,
+# reduce_scatter_tensor -> reduce_scatter_single) and deprecated the old names; the declared minimum has only
+# those. Looked up at each call, so every version takes the same path through this module.
+def _all_gather_single():
+    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _reduce_scatter_single():
+    return getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, async_op: bool = False, tag: str = "", group=None):
     """Every rank ends with the reduction (sum by default) of every rank's `tensor`, in place."""
     return _issue("all_reduce", _nbytes(tensor),
                   lambda async_op: dist.all_reduce(tensor, op=op, group=group, async_op=async_op), async_op, tag,
-                  group)
+                  group, tensor.device)
 
 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op=ReduceOp.SUM, async_op: bool = False,
                    tag: str = "", group=None):
     """Rank r gets chunk r of the reduction of every rank's `input` (len(input) = N * len(output))."""
     return _issue("reduce_scatter", _nbytes(input),
-                  lambda async_op: dist.reduce_scatter_single(output, input, op=op, group=group,
-                                                              async_op=async_op), async_op, tag, group)
+                  lambda async_op: _reduce_scatter_single()(output, input, op=op, group=group, async_op=async_op),
+                  async_op, tag, group, input.device)
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, async_op: bool = False, tag: str = "", group=None):
     """`output` becomes every rank's `input`, concatenated in rank order (len(output) = N * len(input))."""
     return _issue("all_gather", _nbytes(output),
-                  lambda async_op: dist.all_gather_single(output, input, group=group, async_op=async_op),
-                  async_op, tag, group)
+                  lambda async_op: _all_gather_single()(output, input, group=group, async_op=async_op),
+                  async_op, tag, group, output.device)
 
 
 def broadcast(tensor: torch.Tensor, src: int = 0, async_op: bool = False, tag: str = "", group=None):
     """Every rank's `tensor` becomes that of rank `src` (of the group)."""
     return _issue("broadcast", _nbytes(tensor),
                   lambda async_op: dist.broadcast(tensor, group=group, group_src=src, async_op=async_op),
-                  async_op, tag, group)
+                  async_op, tag, group, tensor.device)
 
 
 def reduce(tensor: torch.Tensor, dst: int, op=ReduceOp.SUM, async_op: bool = False, tag: str = "", group=None):
     """Rank `dst`'s (of the group) `tensor` becomes the reduction of every rank's; the others' are undefined."""
     return _issue("reduce", _nbytes(tensor),
                   lambda async_op: dist.reduce(tensor, group=group, group_dst=dst, op=op, async_op=async_op),
-                  async_op, tag, group)
+                  async_op, tag, group, tensor.device)
 
 
 # --8<-- [start:copy_to]
 def copy_to(tensor: torch.Tensor, device: torch.device, direction: str,
-            dtype: torch.dtype | None = None) -> torch.Tensor:
+            dtype: torch.dtype | None = None, non_blocking: bool = False) -> torch.Tensor:
     """A copy between host and device memory (CPU offload, chapter 8): not a collective, but traffic all the
     same, so it is counted here too -- in `counter.copies[direction]`, apart from the network's bytes.
     direction: "host_to_device" or "device_to_host". On a CPU-only machine both ends are the CPU: the copy
-    still happens (one code path), it just costs a memcpy instead of a trip over PCIe."""
-    # asynchronous only from pinned host memory to the device: a copy *to* the host must be complete before
-    # the CPU (the optimizer) reads it
-    out = tensor.to(device, non_blocking=direction == "host_to_device" and tensor.is_pinned(), copy=True)
+    still happens (one code path), it just costs a memcpy instead of a trip over PCIe.
+
+    non_blocking (device to host): only queue the copy on the current stream, into pinned host memory, and
+    return. The CPU must not read the result before that stream has got past it (wait on an event recorded
+    there), so no `dtype` then: a cast on the host would read it at once."""
+    if non_blocking and dtype is not None:
+        raise ValueError("copy_to(non_blocking=True) cannot cast: the host would read the copy before it lands")
+    # from pinned host memory to the device, asynchronous is always safe (the device's later work queues behind
+    # it); to the host only when the caller says it will wait before reading
+    asynchronous = tensor.is_pinned() if direction == "host_to_device" else non_blocking and tensor.is_cuda
+    out = tensor.to(device, non_blocking=asynchronous, copy=True)
     for c in _active:
         c.copies[direction] += _nbytes(tensor)
     return out if dtype is None else out.to(dtype)

@@ -9,6 +9,11 @@ and cut into N equal shards. Each rank keeps only its shard -- the one tensor th
     unit parameters  w (2x3), b (3)        ->  flat [w00 w01 w02 w10 w11 w12 b0 b1 b2 | pad pad pad]
     N = 4, padded to 12                    ->  rank 0 [w00 w01 w02]   rank 1 [w10 w11 w12] ...
 
+(The picture leaves one thing out: each parameter really starts on a 64-byte boundary -- 16 fp32
+elements -- as in FlatOSS, so b starts at 16, not 6, and the buffer is padded to a multiple of 16N.
+CPU matrix kernels take different code paths, and round differently, for data at odd addresses; aligned,
+every view computes exactly what the original parameter did, so FSDP can match DDP bit for bit.)
+
 unshard(): all-gather the shards into one buffer of the padded size, and make each original parameter a
 *view* into that buffer (`module.weight` becomes `flat[0:6].view(2, 3)`). Views, because copying out of
 the all-gather buffer would cost time and a second copy of the memory; the price is that the buffer
@@ -38,13 +43,14 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import weakref
 
 import torch
 import torch.nn as nn
 
 from minifsdp import events
 from minifsdp.distributed import comm
-from minifsdp.zero.flat import flat_layout
+from minifsdp.zero.flat import ALIGN_BYTES, flat_layout
 
 
 # --8<-- [start:storage]
@@ -112,12 +118,15 @@ class FlatParameter:
     places: (module, attribute name) of each original parameter; a tied parameter appears at several
             places but is stored once (its places all get the same view).
     group:  the process group the unit is sharded over (default: every rank).
+    shard:  False for PyTorch's NO_SHARD: every rank keeps the whole unit, unsharded for good, and the
+            gradients are all-reduced as under DDP -- the same runtime, with N = 1 as far as the layout goes.
     """
 
     # --8<-- [start:init]
-    def __init__(self, places: list[tuple[nn.Module, str]], requires_grad: bool = True, group=None):
-        self.group = group
-        self.rank, self.world_size = comm.rank(group), comm.world_size(group)
+    def __init__(self, places: list[tuple[nn.Module, str]], requires_grad: bool = True, group=None,
+                 shard: bool = True):
+        self.group, self.sharded = group, shard
+        self.rank, self.world_size = (comm.rank(group), comm.world_size(group)) if shard else (0, 1)
         self.places = places
         params, self.index = [], []  # index[i]: which of `params` the i-th place shows
         for module, name in places:
@@ -129,8 +138,11 @@ class FlatParameter:
         self.numels = [p.numel() for p in params]
         self.numel = sum(self.numels)
         # BEGIN EXERCISE 5.1: flatten, pad to a multiple of N, keep this rank's shard
-        # where each parameter starts, and the size padded so that it cuts into N equal shards
-        self.offsets, padded_numel = flat_layout(self.numels, self.world_size)
+        # where each parameter starts, and the size padded so that it cuts into N equal shards. Each starts
+        # on a 64-byte boundary, as in FlatOSS: CPU matmul kernels round differently at odd offsets, and
+        # an aligned view computes exactly what the original parameter did
+        align = max(1, ALIGN_BYTES // params[0].element_size())
+        self.offsets, padded_numel = flat_layout(self.numels, self.world_size, align)
         self.shard_numel = padded_numel // self.world_size
         padded = torch.zeros(padded_numel, dtype=params[0].dtype, device=params[0].device)
         for p, offset in zip(params, self.offsets):  # straight into place: no second full copy
@@ -156,8 +168,12 @@ class FlatParameter:
             delattr(module, name)
         for p in params:
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)  # and an old reference holds nothing
-            p._flattened_into_flat_param = True  # an optimizer still holding it is caught (see fsdp.py)
+        self._originals = [weakref.ref(p) for p in params]  # an optimizer still holding one is caught (api.py)
         self._set_views(use_full=False)
+        if not self.sharded:  # NO_SHARD: the one shard is the whole unit, and the views point into it for good
+            self._full = self.param.data = self._shard
+            self._set_views(use_full=True)
+            self.state = ShardState.UNSHARDED
     # --8<-- [end:init]
 
     # --8<-- [start:unshard]
@@ -194,7 +210,7 @@ class FlatParameter:
     # --8<-- [start:reshard]
     def reshard(self) -> None:
         """Back to the shard only: the unsharded buffer's memory is released (its views stay as objects)."""
-        if self.state is ShardState.SHARDED:
+        if self.state is ShardState.SHARDED or not self.sharded:  # (NO_SHARD: never sharded, nothing to free)
             return
         if self.state is ShardState.UNSHARDING:  # never free a buffer the network is still writing into
             self._unshard_handle.wait()
@@ -242,6 +258,10 @@ class FlatParameter:
             full_grad = full_grad.to(self.reduce_dtype)  # chapter 8: e.g. bf16 gradients averaged in fp32
         self.reduce_input = full_grad
         with _side_stream("reduce_scatter", full_grad, after_compute=True):  # on a GPU: off the compute stream
+            if not self.sharded:  # NO_SHARD: every rank keeps the whole average, as under DDP
+                full_grad.mul_(1.0 / comm.world_size(self.group))
+                return comm.all_reduce(full_grad, async_op=True, tag=f"all_reduce {self.name}",
+                                       group=self.group), full_grad
             # BEGIN EXERCISE 5.2: this rank's shard of the averaged flat gradient, with one reduce-scatter
             full_grad.mul_(1.0 / self.world_size)  # average as DDP does: 1/N first (in place: no second copy)
             grad_shard = full_grad.new_empty(self.shard_numel)
@@ -258,6 +278,10 @@ class FlatParameter:
         """Compute in param_dtype and average gradients in reduce_dtype; the shard stays the fp32 master.
         offload: the shard -- and so its gradient and its optimizer state -- lives in host memory; only the
         full parameters (and the activations) are on `device`."""
+        if not self.sharded and (offload or {param_dtype, reduce_dtype} - {None, self._shard.dtype}):
+            raise NotImplementedError("sharding_strategy=NO_SHARD keeps the whole unit in its own dtype on every "
+                                      "rank: mixed_precision and cpu_offload work with the sharded strategies "
+                                      "(FULL_SHARD, SHARD_GRAD_OP) only")
         self.param_dtype = param_dtype or self._shard.dtype
         self.reduce_dtype = reduce_dtype or self.param_dtype
         if (self._full.dtype, self._full.device) != (self.param_dtype, device):  # the all-gather's output
@@ -269,7 +293,7 @@ class FlatParameter:
             if torch.cuda.is_available():
                 self._shard = self._shard.pin_memory()  # so the copies to the GPU can run asynchronously
             self.param.data = self._shard
-            self.param._offloaded = True  # an optimizer stepping it elsewhere is caught (see fsdp.py)
+            self.param._offloaded = True  # a model moved after wrapping is caught (api.py)
             self._set_views(use_full=False)
 
     def _cast_shard(self) -> torch.Tensor:
@@ -284,11 +308,47 @@ class FlatParameter:
         return shard
         # END EXERCISE
 
+    # --8<-- [start:grad_offload]
+    _grad_offload = None  # (event, host copy, gradient handed out) while a copy to the host is in flight
+
     def grad_for_optimizer(self, grad_shard: torch.Tensor) -> torch.Tensor:
-        """The averaged gradient shard as the optimizer needs it: fp32, where the master shard lives."""
-        if self.offload:
-            return comm.copy_to(grad_shard, self._shard.device, "device_to_host", dtype=self._shard.dtype)
-        return grad_shard.to(self._shard.dtype)
+        """The averaged gradient shard as the optimizer needs it: fp32, where the master shard lives.
+
+        Offload: the shard crosses to the host in reduce_dtype (half the bytes in bf16) and is cast there.
+        On a GPU that copy must not stall backward: it is queued on the reduce-scatter stream, behind the
+        reduce-scatter that made the shard, into pinned memory, and the CPU waits for it only when backward
+        ends (wait_grad_offload) -- before anything (the optimizer, clipping, a loss scaler) can read it.
+        Except when a gradient from an earlier backward is to be added to it now (accumulation): the CPU
+        needs the values at once, so it waits at once, as PyTorch's FSDP does."""
+        if not self.offload:
+            return grad_shard.to(self._shard.dtype)
+        self.wait_grad_offload()  # at most one copy in flight per FlatParameter
+        asynchronous = grad_shard.is_cuda and self.saved_grad is None
+        # after_compute: the compute stream is where the reduce-scatter's completion was waited for
+        with _side_stream("reduce_scatter", grad_shard, after_compute=True):
+            host = comm.copy_to(grad_shard, self._shard.device, "device_to_host", non_blocking=asynchronous)
+            if not asynchronous:
+                return host.to(self._shard.dtype)
+            event = torch.cuda.Event()
+            event.record()
+        # the gradient the optimizer gets: the host copy itself when no cast is needed, else a tensor the cast
+        # fills once the copy has landed
+        grad = host if host.dtype == self._shard.dtype else torch.empty_like(host, dtype=self._shard.dtype)
+        self._grad_offload = (event, host, grad)
+        # end of backward, whatever the caller does next: the autograd engine runs this before backward returns
+        torch.autograd.Variable._execution_engine.queue_callback(self.wait_grad_offload)
+        return grad
+
+    def wait_grad_offload(self) -> None:
+        """Block until the gradient shard copied to the host (asynchronously, on a GPU) has landed, and cast
+        it. Runs at the end of every backward that started such a copy; nothing to do otherwise."""
+        if self._grad_offload is not None:
+            event, host, grad = self._grad_offload
+            self._grad_offload = None
+            event.synchronize()
+            if grad is not host:
+                grad.copy_(host)
+    # --8<-- [end:grad_offload]
 
     @contextlib.contextmanager
     def full_precision(self):

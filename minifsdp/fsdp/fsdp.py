@@ -41,18 +41,16 @@ called from here: the runtime announces compute spans as events (minifsdp/events
 
 from __future__ import annotations
 
-import contextlib
 
 import torch
 import torch.nn as nn
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._pytree import tree_leaves
 
 from minifsdp import events
 from minifsdp.ddp.ddp import require_module
 from minifsdp.distributed import comm
 from minifsdp.distributed.launch import current_device
-from minifsdp.fsdp import state_dict, training
+from minifsdp.fsdp import api, state_dict, training
 from minifsdp.fsdp.flat_param import FlatParameter, sync_all_gathers
 from minifsdp.fsdp.prefetch import AllGatherLimiter, BackwardPrefetch, ExecutionOrder
 from minifsdp.fsdp.wrap import (as_policy, modules_not_in_units, move_own_tensors, named_modules_not_in_units,
@@ -64,36 +62,45 @@ from minifsdp.mixed_precision import (CPUOffload, MixedPrecision, cast_buffers, 
 class FullyShardedDataParallel(nn.Module):
     """ZeRO-3: every rank keeps 1/N of the parameters, gradients and optimizer state (16Ψ/N with AdamW).
 
-    reshard_after_forward: free the full parameters after forward (True: ZeRO-3, all-gather them again
-                           in backward) or keep them until backward (False: more memory, less traffic).
+    The arguments are PyTorch FSDP1's, in its order (api.py has the rest of its surface: state dict types,
+    summon_full_params' arguments, fsdp_modules), so a script written for it runs with the import changed.
+
+    sharding_strategy:     FULL_SHARD (default: ZeRO-3, the full parameters freed after forward and gathered
+                           again in backward), SHARD_GRAD_OP (kept until backward: more memory, one
+                           all-gather fewer) or NO_SHARD (nothing sharded, gradients all-reduced: DDP).
+                           minifsdp's own spelling, reshard_after_forward=True/False, works too.
+    ignored_modules:       modules left alone: not sharded, not synced, their gradients not averaged.
     sync_module_states:    broadcast rank 0's parameters and buffers before sharding (check the shapes
-                           agree across ranks first).
+                           agree across ranks first). True by default, unlike PyTorch: ranks that built their
+                           models from different seeds would otherwise shard different models, silently.
     param_init_fn, device_id: deferred initialisation (chapter 9): a module built on the meta device is
                            materialised on device_id (default: this rank's device) unit by unit, each
                            module initialised by param_init_fn(module) (default: its reset_parameters()).
     backward_prefetch, forward_prefetch, limit_all_gathers: overlap, chapter 7 (see the module docstring).
-                           PyTorch's FSDP defaults to backward_prefetch=BACKWARD_PRE; here it is None, so
-                           that chapter 6's runtime is the one without overlap. Pass BACKWARD_PRE for
-                           PyTorch's behaviour.
+                           BACKWARD_PRE by default, as in PyTorch; chapter 6 passes None, to show the runtime
+                           without overlap first. Prefetching changes when bytes move, never a value.
     mixed_precision, cpu_offload: chapter 8 (minifsdp/mixed_precision.py): compute in bf16/fp16 from fp32
                            master shards; keep the shards in host memory.
-    process_group:         the ranks the parameters are sharded over (default: all of them).
+    process_group:         the ranks the parameters are sharded over (default: all of them); or
+                           device_mesh, a one-dimensional DeviceMesh.
+    use_orig_params, ignored_states: only PyTorch's defaults (False, None) -- minifsdp's optimizer steps the
+                           flat shards; chapter 11's fully_shard shards each original parameter.
     """
 
     _fsdp_unit = True  # the walks of wrap.py stop here: this module's subtree is this unit's
 
     # --8<-- [start:init]
-    def __init__(self, module: nn.Module, auto_wrap_policy=None, reshard_after_forward: bool = True,
-                 sync_module_states: bool = True,
-                 backward_prefetch: BackwardPrefetch | None = None,
-                 forward_prefetch: bool = False, limit_all_gathers: bool = True,
-                 param_init_fn=None, device_id: torch.device | None = None,
-                 mixed_precision: MixedPrecision | None = None, cpu_offload: CPUOffload | None = None,
-                 process_group=None):
+    def __init__(self, module: nn.Module, process_group=None, sharding_strategy=None,
+                 cpu_offload: CPUOffload | None = None, auto_wrap_policy=None,
+                 backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE,
+                 mixed_precision: MixedPrecision | None = None, ignored_modules=None, param_init_fn=None,
+                 device_id: torch.device | int | None = None, sync_module_states: bool = True,
+                 forward_prefetch: bool = False, limit_all_gathers: bool = True, use_orig_params: bool = False,
+                 ignored_states=None, device_mesh=None, *, reshard_after_forward: bool | None = None):
         super().__init__()
-        if backward_prefetch is not None and not isinstance(backward_prefetch, BackwardPrefetch):
-            raise ValueError(f"backward_prefetch must be BackwardPrefetch.BACKWARD_PRE, .BACKWARD_POST or None, "
-                             f"not {backward_prefetch!r}")
+        backward_prefetch = api.by_name(backward_prefetch, BackwardPrefetch, "backward_prefetch")
+        shard, reshard_after_forward = api.resolve_sharding(sharding_strategy, reshard_after_forward)
+        process_group = api.resolve_group(process_group, device_mesh, use_orig_params, ignored_states)
         comm.require_process_group()
         require_module(module, "FullyShardedDataParallel")  # (units nested inside are allowed, unlike DDP)
         if isinstance(module, FullyShardedDataParallel) or getattr(module, "_fsdp_wrapped", False):
@@ -106,8 +113,12 @@ class FullyShardedDataParallel(nn.Module):
                             f"SizeBasedWrapPolicy(min_num_params=...), got {auto_wrap_policy!r}{hint}")
         auto_wrap_policy = auto_wrap_policy and as_policy(auto_wrap_policy)  # PyTorch's policies work too
         module._fsdp_wrapped = True
-        self.process_group = process_group
+        for ignored in ignored_modules or ():  # the walks of wrap.py step around these
+            require_module(ignored, "ignored_modules")
+            ignored._fsdp_ignored = True
+        self.process_group, self.shard = process_group, shard
         self.reshard_after_forward = reshard_after_forward
+        self._state_dict_type, self._state_dict_config = api.StateDictType.FULL_STATE_DICT, api.FullStateDictConfig()
         self.backward_prefetch, self.forward_prefetch = backward_prefetch, forward_prefetch
         deferred = any(t.is_meta for t in list(module.parameters()) + list(module.buffers()))
         if sync_module_states:  # every rank starts from rank 0's weights and buffers, as under DDP --
@@ -119,6 +130,7 @@ class FullyShardedDataParallel(nn.Module):
             for name, p in module.named_parameters(remove_duplicate=False):
                 uses.setdefault(p, []).append(name)
             options = dict(reshard_after_forward=reshard_after_forward,
+                           sharding_strategy=None if shard else api.ShardingStrategy.NO_SHARD,
                            sync_module_states=sync_module_states and deferred, backward_prefetch=backward_prefetch,
                            forward_prefetch=forward_prefetch, limit_all_gathers=limit_all_gathers,
                            param_init_fn=param_init_fn, device_id=device_id, mixed_precision=mixed_precision,
@@ -164,6 +176,7 @@ class FullyShardedDataParallel(nn.Module):
         self._sync_gradients = True                    # False inside no_sync()
         self._scaled_before_forward = scaled_losses()  # chapter 8 (root only)
         self._order = ExecutionOrder()                 # units in the order they ran (root only, chapter 7)
+        self._optimizers_checked = False               # root only (api.refuse_stale_optimizers)
     # --8<-- [end:init]
 
     # --8<-- [start:flatten_own]
@@ -180,9 +193,19 @@ class FullyShardedDataParallel(nn.Module):
             raise ValueError(f"a unit flattens its parameters into one tensor of one dtype, but the unit around "
                              f"{type(self.module).__name__} holds several ({held}). Give the model one dtype, or "
                              f"put the parameters of each dtype in units of their own (auto_wrap_policy)")
-        return [FlatParameter(places[rg], requires_grad=rg, group=self.process_group)
+        return [FlatParameter(places[rg], requires_grad=rg, group=self.process_group, shard=self.shard)
                 for rg in (True, False) if places[rg]]
     # --8<-- [end:flatten_own]
+
+    def __getattr__(self, name: str):
+        """Attributes of the wrapped module read through the wrapper (`model.blocks`), as in PyTorch."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._modules["module"], name)
+
+    def __getitem__(self, key):  # a wrapped nn.Sequential still indexes
+        return self.module[key]
 
     # -- forward ----------------------------------------------------------------------------------------------
     @property
@@ -194,6 +217,10 @@ class FullyShardedDataParallel(nn.Module):
         root = self._root_unit
         root._order.record("forward", self)
         if self.is_root:
+            if not self._optimizers_checked:  # the first forward: an optimizer built before wrapping?
+                api.refuse_stale_optimizers(self)
+                self._optimizers_checked = True
+            api.refuse_moved_offloaded_shards(self)
             self._scaled_before_forward = scaled_losses()  # fp16 without a loss scaler is warned about
             args, kwargs = cast_inputs(self.mixed_precision, args, kwargs)
             sync_all_gathers(self.device)  # every unit's all-gathers: they run on this device's stream
@@ -322,25 +349,17 @@ class FullyShardedDataParallel(nn.Module):
 
 
     # -- utilities ---------------------------------------------------------------------------------------------
-    # --8<-- [start:summon]
-    @contextlib.contextmanager
-    def summon_full_params(self, writeback: bool = False):
-        """Inside the block every original parameter holds its full value; with writeback=True, changes
-        made to them inside the block are kept (each rank copies its slice back into its shard)."""
-        flats = [flat for unit in self.units() for flat in unit.flat_params]
-        sync_all_gathers(self.device)  # the shards may have just been written (a step, a load)
-        with torch.no_grad(), contextlib.ExitStack() as stack:
-            for flat in flats:
-                stack.enter_context(flat.full_precision())  # the fp32 masters, not their bf16 cast
-                flat.unshard()
-            try:
-                yield
-            finally:
-                for flat in flats:
-                    if writeback:
-                        flat.write_back_shard()
-                    flat.reshard()
-    # --8<-- [end:summon]
+    # PyTorch's: FSDP.summon_full_params(model, writeback=True, rank0_only=False, ...) -- or model.summon_full_params()
+    summon_full_params = api.static_or_bound(api.summon_full_params)
+    state_dict_type = staticmethod(api.state_dict_type)
+    fsdp_modules = staticmethod(api.fsdp_modules)
+
+    def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
+        """Full, with the names the model had before wrapping (PyTorch's default); see state_dict_type()."""
+        return api.state_dict(self, destination, prefix, keep_vars)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        return api.load_state_dict(self, state_dict, strict)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The unsharded state dict, with the names the model had before wrapping (on every rank)."""
@@ -371,24 +390,3 @@ class FullyShardedDataParallel(nn.Module):
 
 
 FSDP = FullyShardedDataParallel
-
-
-# --8<-- [start:refuse]
-def _refuse_flattened_params(optimizer, args, kwargs):
-    """An optimizer built before wrapping holds the original parameters, which now hold nothing: it
-    would step nothing, silently. Say so instead."""
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if getattr(p, "_flattened_into_flat_param", False):
-                raise RuntimeError("this optimizer was built over parameters that FullyShardedDataParallel has "
-                                   "since flattened into its shards, so it would train nothing: build the "
-                                   "optimizer after wrapping, over the wrapped model's parameters()")
-            if getattr(p, "_offloaded", False) and p.device.type != "cpu":
-                raise RuntimeError(f"cpu_offload keeps the sharded parameters in host memory, where the optimizer "
-                                   f"steps them, but this optimizer holds one on {p.device}: the model was moved "
-                                   f"after wrapping. Do not move an offloaded model (FSDP brings each unit to the "
-                                   f"device itself); build the optimizer over its parameters() as they are")
-
-
-register_optimizer_step_pre_hook(_refuse_flattened_params)
-# --8<-- [end:refuse]

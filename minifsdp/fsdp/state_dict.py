@@ -19,10 +19,10 @@ def full_state_dict(root) -> dict[str, torch.Tensor]:
     """The unsharded state dict, with the names the model had before wrapping (on every rank)."""
     names = {id(m): prefix for prefix, m in names_without_wrappers(root.module)}
     out = {}
-    with root.summon_full_params():
+    with root.summon_full_params(writeback=False):
         for prefix, m in names_without_wrappers(root.module):
-            for name, b in m.named_buffers(recurse=False):
-                out[prefix + name] = b.detach().clone()
+            for name, t in _plain_tensors(m):
+                out[prefix + name] = t.detach().clone()
         for unit in root.units():
             for flat in unit.flat_params:
                 for module, name in flat.places:
@@ -30,10 +30,22 @@ def full_state_dict(root) -> dict[str, torch.Tensor]:
     return out
 
 
+def _plain_tensors(m):
+    """A module's persistent buffers, and the parameters no unit flattened (ignored_modules'), by name: with
+    the flattened parameters, exactly the keys nn.Module.state_dict() gives the unwrapped model."""
+    return [(name, t) for table in (m._buffers, m._parameters) for name, t in table.items()
+            if t is not None and name not in m._non_persistent_buffers_set]
+
+
 class IncompatibleKeys(NamedTuple):
     """What load_full_state_dict(strict=False) let pass, as nn.Module.load_state_dict returns it."""
     missing_keys: list[str]
     unexpected_keys: list[str]
+
+    def __repr__(self):  # as nn.Module.load_state_dict's result prints
+        if not (self.missing_keys or self.unexpected_keys):
+            return "<All keys matched successfully>"
+        return f"IncompatibleKeys(missing_keys={self.missing_keys}, unexpected_keys={self.unexpected_keys})"
 
 
 def _original_shapes(root) -> dict[str, torch.Size]:
@@ -42,8 +54,8 @@ def _original_shapes(root) -> dict[str, torch.Size]:
     names = {id(m): prefix for prefix, m in names_without_wrappers(root.module)}
     shapes = {}
     for prefix, m in names_without_wrappers(root.module):
-        for name, b in m.named_buffers(recurse=False):
-            shapes[prefix + name] = b.shape
+        for name, t in _plain_tensors(m):
+            shapes[prefix + name] = t.shape
     for unit in root.units():
         for flat in unit.flat_params:
             for (module, name), i in zip(flat.places, flat.index):  # a tied parameter: each of its names
@@ -80,9 +92,9 @@ def load_full_state_dict(root, state_dict: dict[str, torch.Tensor], strict: bool
     names = {id(m): prefix for prefix, m in names_without_wrappers(root.module)}
     with root.summon_full_params(writeback=True):
         for prefix, m in names_without_wrappers(root.module):
-            for name, b in m.named_buffers(recurse=False):
+            for name, t in _plain_tensors(m):
                 if prefix + name in state_dict:  # not there: strict=False, and it keeps its value
-                    b.copy_(state_dict[prefix + name])
+                    t.copy_(state_dict[prefix + name])
         for unit in root.units():
             for flat in unit.flat_params:
                 for module, name in flat.places:

@@ -70,12 +70,17 @@ def is_unit(module: nn.Module) -> bool:
     return getattr(type(module), "_fsdp_unit", False)
 
 
+def is_ignored(module: nn.Module) -> bool:
+    """In FullyShardedDataParallel's ignored_modules: no unit owns it, nothing wraps it."""
+    return getattr(module, "_fsdp_ignored", False)
+
+
 def named_modules_not_in_units(module: nn.Module, prefix: str = ""):
     """(qualified name + ".", module) for `module` and its descendants, stopping at nested units (they own
-    their own subtrees)."""
+    their own subtrees) and at ignored modules (nobody owns those)."""
     yield prefix, module
     for name, child in module.named_children():
-        if not is_unit(child):
+        if not is_unit(child) and not is_ignored(child):
             yield from named_modules_not_in_units(child, f"{prefix}{name}.")
 
 
@@ -124,7 +129,7 @@ def wrap_children(module: nn.Module, policy, uses: dict, wrap: Callable[[nn.Modu
     uses: every parameter -> the qualified names it appears under (a tied parameter has several).
     """
     for name, child in module.named_children():
-        if is_unit(child):
+        if is_unit(child) or is_ignored(child):
             continue
         if hasattr(policy, "recurse") and not policy.recurse(child, unowned_numel(child)):
             continue  # a PyTorch policy says: leave this subtree alone (too small, or a leaf module)

@@ -14,9 +14,12 @@ nested unit's starts, so the lane shows who is computing now, not who called who
 blocked in a collective's wait(). "all_gather" / "reduce_scatter" / ...: a collective from when the link
 began carrying it (its issue, or, on a throttled link, the end of the one ahead of it) to its completion.
 
-Clocks: wall-clock (time.perf_counter) on the CPU; on a GPU the compute boundaries are CUDA events on the
-compute stream, so they mark when the GPU got there, not when the CPU issued the kernels. Each rank's
-zero is the moment it left the barrier that starts recording, so ranks line up to within that barrier.
+Clocks: wall-clock (time.perf_counter) on the CPU. On a GPU the CPU only queues work, so host times say
+when it was queued, not when it ran: there every boundary is a CUDA event -- compute on the compute stream;
+a collective's start and end, and the point where a stream stops to wait for one, recorded by the comm
+module (comm.py) -- and all are read only when recording ends, as seconds since an origin event (_Clock).
+Each rank's zero is the moment it left the barrier that starts recording, so ranks line up to within that
+barrier.
 """
 
 from __future__ import annotations
@@ -39,6 +42,35 @@ class Span(NamedTuple):
     end: float
 
 
+# --8<-- [start:clock]
+class _Clock:
+    """A timeline's time: seconds since its origin. A stamp is a host time (a float from time.perf_counter)
+    or a CUDA event, whose time is its distance from the origin event recorded when the timeline started;
+    events are read only at the end, as reading one waits for the GPU to get there."""
+
+    def __init__(self, origin: float, origin_event=None):
+        self.origin, self.origin_event = origin, origin_event
+
+    def seconds(self, stamp) -> float:
+        if isinstance(stamp, float):
+            return stamp - self.origin
+        return self.origin_event.elapsed_time(stamp) / 1e3  # milliseconds
+
+    def wait(self, wait) -> tuple[float, float]:
+        """When this rank was blocked by a comm.Wait. On a GPU a wait blocks the stream, from the moment it
+        reaches the wait until the collective is done -- zero time if it was done already."""
+        if wait.cuda is None:
+            return self.seconds(wait.start), self.seconds(wait.end)
+        arrival, done = map(self.seconds, wait.cuda)
+        return arrival, max(arrival, done)
+
+    def collective(self, event) -> tuple[float, float]:
+        """When a comm.CommEvent's collective was on the wire."""
+        start, done = event.cuda if event.cuda is not None else (event.start, event.done)
+        return self.seconds(start), self.seconds(done)
+# --8<-- [end:clock]
+
+
 class Timeline:
     """Records one rank's compute segments and (through a comm counter) its collectives and waits."""
 
@@ -52,10 +84,10 @@ class Timeline:
     def __enter__(self) -> "Timeline":
         if comm.world_size() > 1:
             comm.barrier()  # every rank starts its clock together
-        self.origin = time.perf_counter()
         if self.cuda:
-            torch.cuda.synchronize()
-            self._origin_event = self._stamp()
+            torch.cuda.synchronize()  # the GPU idle: its origin event and the host's origin are one moment
+        self.origin = time.perf_counter()
+        self.clock = _Clock(self.origin, self._stamp() if self.cuda else None)
         self._counter_cm = comm.counting(record=True)
         self.counter = self._counter_cm.__enter__()
         # a unit's compute starts (FSDP announces it): it interrupts the one running, which resumes at its end
@@ -110,23 +142,25 @@ class Timeline:
         if self._stack:
             self._open = (self._stack[-1], now)
 
-    def _seconds(self, stamp) -> float:
-        if self.cuda:
-            return self._origin_event.elapsed_time(stamp) / 1e3
-        return stamp - self.origin
-
     # -- the result ------------------------------------------------------------------------------------------
     def spans(self) -> list[Span]:
         """Every span, in seconds from the start of recording; compute segments exclude the waits."""
-        waits = [(w.start - self.origin, w.end - self.origin, w.tag) for w in self.counter.waits]
-        out = [Span("wait", tag, s, e) for s, e, tag in waits]
-        for name, s, e in self._segments:
-            for s2, e2 in _subtract((self._seconds(s), self._seconds(e)), [(ws, we) for ws, we, _ in waits]):
-                if e2 > s2:
-                    out.append(Span("compute", name, s2, e2))
-        for ev in self.counter.events:
-            out.append(Span(ev.kind, ev.tag, ev.start - self.origin, ev.done - self.origin))
-        return sorted(out, key=lambda sp: sp.start)
+        return _spans(self.clock, self._segments, self.counter)
+
+
+def _spans(clock: _Clock, segments, counter) -> list[Span]:
+    """A recording's spans: compute segments [(name, start stamp, end stamp)] and a comm counter's
+    collectives and waits, through `clock`."""
+    waits = [(*clock.wait(w), w.tag) for w in counter.waits]
+    waits = [(s, e, tag) for s, e, tag in waits if e > s]  # on a GPU, a wait for what was done already
+    out = [Span("wait", tag, s, e) for s, e, tag in waits]
+    for name, s, e in segments:
+        for s2, e2 in _subtract((clock.seconds(s), clock.seconds(e)), [(ws, we) for ws, we, _ in waits]):
+            if e2 > s2:
+                out.append(Span("compute", name, s2, e2))
+    for ev in counter.events:
+        out.append(Span(ev.kind, ev.tag, *clock.collective(ev)))
+    return sorted(out, key=lambda sp: sp.start)
 
 
 def _subtract(interval, holes):

@@ -49,6 +49,7 @@ import torch.nn as nn
 
 from minifsdp.ddp.ddp import _pack, check_bucket_cap_mb
 from minifsdp.distributed import comm
+from minifsdp.zero.clip import clip_sharded_grad_norm_
 from minifsdp.zero.oss import require_optimizer_class
 
 # --8<-- [start:layout]
@@ -89,9 +90,10 @@ class FlatBucket:
         # and stepping it in place updates the flat buffer, hence the params that view it.
         self.shard = flat[self.start: self.start + chunk]
 
-    def flat_grad(self, scale: float) -> torch.Tensor:
-        """The bucket's gradients in its flat layout, times `scale`; zeros for padding and missing grads."""
-        out = torch.zeros_like(self.flat)
+    def flat_grad(self, scale: float, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The bucket's gradients in its flat layout (in `dtype`, default the params'), times `scale`; zeros
+        for padding and missing grads."""
+        out = torch.zeros_like(self.flat, dtype=dtype)
         for p, start in zip(self.params, self.offsets):
             if p.grad is not None:
                 out[start: start + p.numel()].copy_(p.grad.reshape(-1))
@@ -102,35 +104,61 @@ class FlatBucket:
 class FlatOSS(torch.optim.Optimizer):
     """ZeRO-1, flat: each rank owns a contiguous 1/N of every bucket and keeps optimizer state for it only.
 
-    params:        as for any torch optimizer (param groups work; an LR scheduler drives param_groups).
-    optim:         the optimizer class that steps this rank's slices, e.g. torch.optim.AdamW.
-    bucket_cap_mb: None: one bucket per param group; else buckets of about this size (needed for ZeRO-2).
-    group:         the ranks the slices are spread over (FairScale's name; default: all of them).
-    **defaults:    the optimizer's hyper-parameters (lr=..., weight_decay=...).
+    params:                as for any torch optimizer (param groups work; an LR scheduler drives param_groups).
+    optim:                 the optimizer class that steps this rank's slices, e.g. torch.optim.AdamW.
+    group:                 the ranks the slices are spread over (default: all of them).
+    broadcast_buffer_size: OSS's argument (FairScale's name): here the bucket size in elements, if > 0; give
+                           it or bucket_cap_mb, not both.
+    broadcast_fp16:        all-gather the updated parameters in fp16, half the bytes; every replica, this
+                           rank's included, then holds the fp16-rounded values, so they stay identical.
+    bucket_cap_mb:         None: one bucket per param group; else buckets of about this size (ZeRO-2 needs them).
+    **defaults:            the optimizer's hyper-parameters (lr=..., weight_decay=...).
 
-    Do not wrap the model in DDP: step() averages the gradients itself (reduce-scatter), and rank 0's
-    values of the parameters it is given -- frozen ones too -- are broadcast at construction so that every
-    replica starts the same. An optimizer never sees the model's buffers: used alone, FlatOSS leaves them
-    to the caller (`comm.sync_from_rank0(model.named_buffers())`); FlatShardedDataParallel syncs them.
+    An optimizer, not a model wrapper: it sees the parameters it is given, and nothing else.
+    - Every parameter it is given is identical on every rank from construction on: rank 0's values are
+      broadcast then (frozen ones too), and each step all-gathers the updated slices.
+    - The model's buffers, and parameters not given to it, it never sees. Used without a wrapper, making
+      them rank 0's is the caller's job: `comm.sync_from_rank0(model.named_buffers())` once, and again
+      whenever they change in forward (BatchNorm statistics), as DDP's broadcast_buffers does. Or wrap the
+      model in FlatShardedDataParallel, which does both.
+    - Do not wrap the model in DDP: step() averages the gradients itself (reduce-scatter).
+    - The layout holds the parameters that require grad at construction. After freezing or unfreezing
+      some, call refresh_trainable() on every rank before the next forward; step() refuses a stale layout.
     """
 
-    def __init__(self, params, optim=torch.optim.SGD, bucket_cap_mb: float | None = None, group=None, **defaults):
+    def __init__(self, params, optim=torch.optim.SGD, group=None, broadcast_buffer_size: int = -1,
+                 broadcast_fp16: bool = False, bucket_cap_mb: float | None = None, **defaults):
         comm.require_process_group()
         require_optimizer_class(optim, "FlatOSS")
         check_bucket_cap_mb(bucket_cap_mb, allow_none=True)
+        if broadcast_buffer_size > 0 and bucket_cap_mb is not None:
+            raise ValueError("give the bucket size once: broadcast_buffer_size (elements) or bucket_cap_mb")
         self.buckets: list[FlatBucket] | None = None  # add_param_group is allowed until the layout exists
         super().__init__(params, defaults)
         self.group = group
         self.world_size, self.rank = comm.world_size(group), comm.rank(group)
-        self.bucket_cap_mb = bucket_cap_mb
+        if broadcast_buffer_size > 0:
+            bucket_cap_mb = broadcast_buffer_size * self.param_groups[0]["params"][0].element_size() / 2 ** 20
+        self.bucket_cap_mb, self.broadcast_fp16 = bucket_cap_mb, broadcast_fp16
+        self.optim_class, self._defaults = optim, defaults
         # FlatShardedDataParallel turns this off: it reduce-scatters during backward, into the shards' .grad.
         self.reduce_in_step = True
+        self._grads_reduced = False  # clip_grad_norm reduce-scattered them already, before step()
+        self._consolidated = None    # the full state consolidate_state_dict() kept, until the next step
+        self._parked = {}            # the state of given parameters that are not laid out (frozen since)
 
         # The layout must be identical on every rank, or the collectives would mix up slices.
         comm.assert_same_across_ranks([(f"param_groups[{g}][{i}]", p) for g, pg in enumerate(self.param_groups)
                                        for i, p in enumerate(pg["params"])], group=group)
+        self._lay_out()
+        frozen = list(dict.fromkeys(p for pg in self.param_groups for p in pg["params"] if p not in self._laid_out))
+        comm.broadcast_tensors(self._buffers + frozen, src=0, group=group)
+        self._build_local()
+
+    def _lay_out(self) -> None:
+        """Lay the trainable parameters end to end in flat buffers, bucket by bucket; each becomes a view."""
         # --8<-- [start:buffers]
-        cap = math.inf if bucket_cap_mb is None else bucket_cap_mb * 1024 * 1024
+        cap = math.inf if self.bucket_cap_mb is None else self.bucket_cap_mb * 1024 * 1024
         self.buckets, self._buffers = [], []
         for g, param_group in enumerate(self.param_groups):
             # Frozen params are never communicated; a param listed twice is laid out once.
@@ -158,11 +186,12 @@ class FlatOSS(torch.optim.Optimizer):
         # --8<-- [end:buffers]
         if not self.buckets:
             raise ValueError("FlatOSS got no trainable parameters")
-        laid_out = {p for b in self.buckets for p in b.params}
-        frozen = list(dict.fromkeys(p for pg in self.param_groups for p in pg["params"] if p not in laid_out))
-        comm.broadcast_tensors(self._buffers + frozen, src=0, group=group)
+        self._laid_out = {p for b in self.buckets for p in b.params}
 
-        self._local = optim([dict(self._hyper(b.group), params=[b.shard]) for b in self.buckets], **defaults)
+    def _build_local(self) -> None:
+        """The local optimizer, over this rank's slices: one tensor per bucket, with its group's hyper-parameters."""
+        self._local = self.optim_class([dict(self._hyper(b.group), params=[b.shard]) for b in self.buckets],
+                                       **self._defaults)
         # Complete our groups with the class's defaults, so they read like a plain torch optimizer's.
         for b, local_group in zip(self.buckets, self._local.param_groups):
             for k, v in local_group.items():
@@ -177,6 +206,33 @@ class FlatOSS(torch.optim.Optimizer):
                                       "param group to the constructor")
         super().add_param_group(param_group)
 
+    # -- a change of trainable parameters ------------------------------------------------------------------
+    def refresh_trainable(self) -> None:
+        """Lay the parameters out again after some were frozen or unfrozen: on every rank, before the next
+        forward. The state moves with its parameters: it is cut per parameter (consolidated_state_dict) and
+        back into the new slices; a parameter frozen now keeps its state aside until it is unfrozen."""
+        if self._trainable() == self._laid_out:
+            return
+        state = self.consolidated_state_dict()
+        for p in self._laid_out:
+            p.data = p.data.clone()  # out of the old flat buffer, which goes
+        self._lay_out()
+        self._build_local()
+        self._load_consolidated(state)
+
+    def _trainable(self) -> set:
+        return {p for group in self.param_groups for p in group["params"] if p.requires_grad}
+
+    def _check_layout(self) -> None:
+        if self._trainable() == self._laid_out:
+            return
+        changed = [f"param_groups[{g}][{i}] {tuple(p.shape)} ({'unfrozen' if p.requires_grad else 'frozen'})"
+                   for g, pg in enumerate(self.param_groups) for i, p in enumerate(pg["params"])
+                   if p.requires_grad != (p in self._laid_out)]
+        raise RuntimeError(f"FlatOSS: parameters were frozen or unfrozen since they were laid out ({changed}); "
+                           f"call refresh_trainable() on every rank before the forward (or let "
+                           f"FlatShardedDataParallel do it: auto_refresh_trainable=True)")
+
     def _hyper(self, g: int) -> dict:
         return {k: v for k, v in self.param_groups[g].items() if k != "params"}
 
@@ -187,12 +243,13 @@ class FlatOSS(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._check_layout()  # a parameter frozen since would be stepped, one unfrozen since would not
         # Our param_groups are the ones an LR scheduler writes to; the local optimizer must follow them.
         for b, local_group in zip(self.buckets, self._local.param_groups):
             local_group.update(self._hyper(b.group))
         # BEGIN EXERCISE 3.3: reduce-scatter the gradients into the owned slices, step them, all-gather the params
         for b in self.buckets:
-            if self.reduce_in_step:
+            if self.reduce_in_step and not self._grads_reduced:
                 if b.shard.grad is None:
                     b.shard.grad = torch.empty_like(b.shard)
                 comm.reduce_scatter(b.shard.grad, b.flat_grad(1.0 / self.world_size), tag="grads", group=self.group)
@@ -200,19 +257,59 @@ class FlatOSS(torch.optim.Optimizer):
                 b.shard.grad = torch.zeros_like(b.shard)  # no backward since zero_grad(): a zero gradient
         self._local.step()
         for b in self.buckets:
-            # In place (the input is chunk `rank` of the output), as NCCL allows and llm.c does: no copy.
-            comm.all_gather(b.flat, b.shard, tag="params", group=self.group)
+            if self.broadcast_fp16:
+                self._all_gather_in_fp16(b)
+            else:  # in place (the input is chunk `rank` of the output), as NCCL allows and llm.c does: no copy
+                comm.all_gather(b.flat, b.shard, tag="params", group=self.group)
         # END EXERCISE
+        self._grads_reduced, self._consolidated = False, None
         return loss
     # --8<-- [end:step]
+
+    def _all_gather_in_fp16(self, b: FlatBucket) -> None:
+        """broadcast_fp16: the slices travel in fp16, and every rank, this one too, takes the rounded values."""
+        wire = torch.empty(b.flat.numel(), dtype=torch.float16, device=b.flat.device)
+        comm.all_gather(wire, b.shard.to(torch.float16), tag="params", group=self.group)
+        b.flat.copy_(wire)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none=set_to_none)
         self._local.zero_grad(set_to_none=set_to_none)
+        self._grads_reduced = False
+
+    def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0, filter_params_fn=None) -> torch.Tensor:
+        """Clip the averaged gradients as torch's clip_grad_norm_ would, and return their total norm (OSS's
+        method, zero/clip.py). Used alone, FlatOSS averages the gradients in step(): here it does so first,
+        and step() then does not again."""
+        if filter_params_fn is not None:
+            raise NotImplementedError("FlatOSS.clip_grad_norm(filter_params_fn=...): this rank's gradients are "
+                                      "slices of flat buckets that cut through parameters, so there are no "
+                                      "parameters to filter (OSS keeps whole parameters: use it for that)")
+        if self.reduce_in_step and not self._grads_reduced:
+            for b in self.buckets:
+                b.shard.grad = torch.empty_like(b.shard) if b.shard.grad is None else b.shard.grad
+                comm.reduce_scatter(b.shard.grad, b.flat_grad(1.0 / self.world_size), tag="grads", group=self.group)
+            self._grads_reduced = True
+        grads = [b.shard.grad for b in self.buckets if b.shard.grad is not None]
+        return clip_sharded_grad_norm_(grads, max_norm, norm_type, group=self.group)
+
+    clip_grad_norm_ = clip_grad_norm  # torch's spelling
 
     # -- checkpoints ---------------------------------------------------------------------------------------
-    def state_dict(self) -> dict:
-        """This rank's shard of the state (one file per rank), with every group's hyper-parameters."""
+    def consolidate_state_dict(self, recipient_rank: int = 0) -> None:
+        """OSS's protocol (FairScale's): gather the full state, in a plain torch optimizer's format, and keep
+        it on rank `recipient_rank` (-1: every rank) for state_dict(). Call it on every rank."""
+        full = self.consolidated_state_dict()
+        self._consolidated = full if recipient_rank in (-1, self.rank) else None
+
+    def state_dict(self, all_ranks: bool = False) -> dict:
+        """The full state consolidate_state_dict() kept here, if no step came since (all_ranks=True: gathered
+        now, on every rank); otherwise this rank's shard of the state (one file per rank), with every
+        group's hyper-parameters."""
+        if all_ranks:
+            return self.consolidated_state_dict()
+        if self._consolidated is not None:
+            return self._consolidated
         return {"world_size": self.world_size, "rank": self.rank,
                 "shard_numels": [b.shard.numel() for b in self.buckets],
                 "param_groups": [self._hyper(g) for g in range(len(self.param_groups))],
@@ -262,7 +359,8 @@ class FlatOSS(torch.optim.Optimizer):
                 else:
                     for p in b.params:
                         state.setdefault(index[p], {})[key] = value.clone() if torch.is_tensor(value) else value
-        return {"state": state, "param_groups": packed}
+        state.update({index[p]: parked for p, parked in self._parked.items()})
+        return {"state": dict(sorted(state.items())), "param_groups": packed}
 
     def _load_consolidated(self, state_dict: dict) -> None:
         index, _ = self._torch_indices()
@@ -286,3 +384,4 @@ class FlatOSS(torch.optim.Optimizer):
             group.update({k: v for k, v in hyper.items() if k != "params"})
         self._local.load_state_dict({"state": local_state, "param_groups": [
             dict(self._hyper(b.group), params=[i]) for i, b in enumerate(self.buckets)]})
+        self._parked = {p: saved[i] for p, i in index.items() if p not in self._laid_out and i in saved}

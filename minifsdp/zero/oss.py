@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from minifsdp.ddp.ddp import _pack
 from minifsdp.distributed import comm
 from minifsdp.zero.clip import clip_sharded_grad_norm_
 
@@ -74,24 +75,42 @@ def imbalance(shares: list[list[torch.Tensor]]) -> float:
 class OSS(torch.optim.Optimizer):
     """Optimizer State Sharding: wraps a local optimizer of class `optim` over this rank's parameters only.
 
-    params, **defaults: exactly what `optim` would take (param groups with their own hyper-parameters
-                        work); `self.param_groups` is the global view that LR schedulers adjust.
-    param_sync:         how replicas are made current after the step: "broadcast" (each owner broadcasts
-                        its parameters, one flat bucket per owner) or "all_gather" (one collective, but
-                        every rank's share is padded to the largest share).
-    group:              the ranks the state is sharded over (FairScale's name; default: all of them).
+    params, **defaults:    exactly what `optim` would take (param groups with their own hyper-parameters
+                           work); `self.param_groups` is the global view that LR schedulers adjust.
+    group:                 the ranks the state is sharded over (default: all of them).
+    broadcast_buffer_size: cap, in elements, on one broadcast after the step: an owner's share goes out in
+                           flat buckets of at most this size (a bigger parameter alone), so the scratch
+                           buffer stays that small. 0 or -1 (FairScale's default): one bucket per owner.
+    broadcast_fp16:        send the updated parameters in fp16, half the bytes. Every replica, the owner's
+                           included, then holds the fp16-rounded values, so they stay identical.
+    force_broadcast_object: FairScale's switch between two ways of moving the state in
+                           consolidate_state_dict; here there is one way (all_gather_object), the result is
+                           the same, and the switch changes nothing.
+    param_sync:            how replicas are made current after the step: "broadcast" (each owner broadcasts
+                           its parameters) or "all_gather" (one collective, but every rank's share is padded
+                           to the largest share).
+
+    The arguments before param_sync are FairScale's, in FairScale's order. OSS is an optimizer: it keeps
+    the trainable parameters identical on every rank after each step, and touches nothing else. Making the
+    replicas start identical (frozen parameters and buffers included) is the wrapper's job: DDP or
+    ShardedDataParallel broadcast rank 0's model when they are built.
     """
 
     # --8<-- [start:init]
-    def __init__(self, params, optim: type[torch.optim.Optimizer] = torch.optim.SGD,
-                 param_sync: str = "broadcast", group=None, **defaults):
+    def __init__(self, params, optim: type[torch.optim.Optimizer] = torch.optim.SGD, group=None,
+                 broadcast_buffer_size: int = -1, broadcast_fp16: bool = False, force_broadcast_object: bool = False,
+                 param_sync: str = "broadcast", **defaults):
         comm.require_process_group()
         require_optimizer_class(optim, "OSS")
         if param_sync not in ("broadcast", "all_gather"):
             raise ValueError(f"param_sync must be 'broadcast' or 'all_gather', not {param_sync!r}")
+        if param_sync == "all_gather" and broadcast_buffer_size > 0:
+            raise ValueError("broadcast_buffer_size cuts the owners' broadcasts into buckets; "
+                             "param_sync='all_gather' sends every share in one collective, so it has none to cut")
         self.group = group
         self.rank, self.world_size = comm.rank(group), comm.world_size(group)
         self.optim_class, self.param_sync = optim, param_sync
+        self.broadcast_buffer_size, self.broadcast_fp16 = broadcast_buffer_size, broadcast_fp16
         super().__init__(params, defaults)  # builds and checks self.param_groups (e.g. duplicates)
         comm.assert_same_across_ranks([(f"param {i}", p) for i, p in enumerate(self._all_params())], group=group)
         self._partition = partition_parameters(self.param_groups, self.world_size)
@@ -109,12 +128,21 @@ class OSS(torch.optim.Optimizer):
     def owned_params(self, rank: int) -> list[torch.Tensor]:
         return [p for group in self._partition[rank] for p in group["params"]]
 
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0, filter_params_fn=None) -> torch.Tensor:
         """Clip as torch.nn.utils.clip_grad_norm_ would on all the gradients (chapter 9). Each parameter is
         owned, and stepped, by one rank, so each rank sums over its own (ZeRO-2 keeps only those) and
-        scales them; minifsdp/clip.py. Returns the total norm before clipping."""
-        grads = [p.grad for p in self.owned_params(self.rank) if p.grad is not None]
-        return clip_sharded_grad_norm_(grads, max_norm, norm_type, group=self.group)
+        scales them; zero/clip.py. Returns the total norm before clipping. As in FairScale,
+        filter_params_fn(params) picks which of them count in the norm; all of them are scaled."""
+        owned = [p for p in self.owned_params(self.rank) if p.grad is not None]
+        counted = owned if filter_params_fn is None else list(filter_params_fn(owned))
+        return clip_sharded_grad_norm_([p.grad for p in counted], max_norm, norm_type, group=self.group,
+                                       scaled=[p.grad for p in owned])
+
+    clip_grad_norm_ = clip_grad_norm  # torch's spelling
+
+    def refresh_trainable(self) -> None:
+        """FairScale's hook for a change of requires_grad. Nothing to re-plan here: every parameter has had
+        an owner since construction, frozen or not, and step() reads requires_grad each time."""
 
     # --8<-- [start:param_groups]
     def add_param_group(self, param_group: dict) -> None:
@@ -150,30 +178,40 @@ class OSS(torch.optim.Optimizer):
         shares = [[p for p in self.owned_params(r) if p.requires_grad] for r in range(self.world_size)]
         if self.param_sync == "all_gather":
             return self._all_gather_params(shares)
-        for owner, params in enumerate(shares):
-            if not params:
+        for owner, share in enumerate(shares):
+            if not share:
                 continue
-            # BEGIN EXERCISE 3.2: the owner broadcasts its updated parameters (one flat bucket) to every rank
-            flat = _flatten(params) if owner == self.rank else params[0].new_empty(_numel(params))
-            comm.broadcast(flat, src=owner, tag=f"params of rank {owner}", group=self.group)
-            if owner != self.rank:
-                _unflatten_into(flat, params)
-            del flat  # before the next owner's bucket is allocated: one share-sized buffer at a time
-            # END EXERCISE
+            wire = torch.float16 if self.broadcast_fp16 else share[0].dtype
+            # one flat bucket per owner, or buckets of at most broadcast_buffer_size elements
+            cap = self.broadcast_buffer_size * share[0].element_size()
+            for params in _pack(share, cap) if cap > 0 else [share]:
+                # BEGIN EXERCISE 3.2: the owner broadcasts its updated parameters (one flat tensor in `wire`) to all
+                if owner == self.rank:
+                    flat = _flatten(params).to(wire)
+                else:
+                    flat = params[0].new_empty(_numel(params), dtype=wire)
+                comm.broadcast(flat, src=owner, tag=f"params of rank {owner}", group=self.group)
+                if owner != self.rank or wire != params[0].dtype:  # sent rounded: the owner takes what all got
+                    _unflatten_into(flat, params)
+                del flat  # before the next bucket is allocated: one bucket-sized buffer at a time
+                # END EXERCISE
     # --8<-- [end:step]
 
     # --8<-- [start:all_gather]
     def _all_gather_params(self, shares) -> None:
         """One all-gather instead of N broadcasts: fewer calls, but every share is padded to the largest."""
         width = max(_numel(s) for s in shares)
-        mine = torch.zeros(width, dtype=shares[self.rank][0].dtype if shares[self.rank] else torch.float32,
-                           device=self._all_params()[0].device)
+        dtype = next((p.dtype for s in shares for p in s), None)
+        if dtype is None:
+            return  # nothing is trainable
+        wire = torch.float16 if self.broadcast_fp16 else dtype
+        mine = torch.zeros(width, dtype=wire, device=self._all_params()[0].device)
         if shares[self.rank]:
             mine[: _numel(shares[self.rank])] = _flatten(shares[self.rank])
         everything = mine.new_empty(width * self.world_size)
         comm.all_gather(everything, mine, tag="params", group=self.group)
         for owner, params in enumerate(shares):
-            if owner != self.rank and params:
+            if params and (owner != self.rank or wire != dtype):
                 _unflatten_into(everything[owner * width: owner * width + _numel(params)], params)
     # --8<-- [end:all_gather]
 
@@ -182,8 +220,10 @@ class OSS(torch.optim.Optimizer):
         return {p: i for i, p in enumerate(self._all_params())}
 
     # --8<-- [start:state_dict]
-    def consolidate_state_dict(self, to: int = 0) -> None:
-        """Gather every rank's shard of the state into one full state dict, kept on rank `to`."""
+    def consolidate_state_dict(self, recipient_rank: int = 0, to: int | None = None) -> None:
+        """Gather every rank's shard of the state into one full state dict, kept on rank `recipient_rank`
+        (-1: on every rank). `to` is another name for recipient_rank."""
+        recipient = recipient_rank if to is None else to
         index = self._global_index()
         local = self.optim.state_dict()
         local_params = [p for group in self.optim.param_groups for p in group["params"]]
@@ -192,7 +232,7 @@ class OSS(torch.optim.Optimizer):
                 for i, s in local["state"].items()}
         shards = comm.all_gather_object(mine, group=self.group)
         self._consolidated = None
-        if self.rank == to:
+        if recipient in (-1, self.rank):
             state = {k: v for shard in shards for k, v in shard.items()}
             groups, start = [], 0
             for group in self.param_groups:
@@ -201,11 +241,16 @@ class OSS(torch.optim.Optimizer):
                 start += len(group["params"])
             self._consolidated = {"state": dict(sorted(state.items())), "param_groups": groups}
 
-    def state_dict(self) -> dict:
+    def state_dict(self, all_ranks: bool = False) -> dict:
+        """The full state from the last consolidate_state_dict() kept here; all_ranks=True consolidates it
+        on every rank now (a collective: call it on every rank)."""
+        if all_ranks:
+            self.consolidate_state_dict(recipient_rank=-1)
         consolidated = getattr(self, "_consolidated", None)
         if consolidated is None:
             raise RuntimeError("OSS.state_dict() returns the full state, which no single rank holds: call "
-                               "consolidate_state_dict(to=r) on every rank first, then state_dict() on rank r")
+                               "consolidate_state_dict(recipient_rank=r) on every rank first, then state_dict() "
+                               "on rank r (or state_dict(all_ranks=True) on every rank)")
         return consolidated
     # --8<-- [end:state_dict]
 

@@ -27,25 +27,35 @@ import torch.nn as nn
 
 from minifsdp.ddp.ddp import DistributedDataParallel, _Bucket
 from minifsdp.distributed import comm
+from minifsdp.zero.fairscale_compat import (FAIRSCALE_REDUCE_BUFFER_SIZE, FairScaleMethods, bucket_cap_mb_from,
+                                            fp16_reduction)
 from minifsdp.zero.oss import OSS
 
 
-class ShardedDataParallel(DistributedDataParallel):
-    """ZeRO-2 data parallelism for a model whose optimizer is an OSS.
+class ShardedDataParallel(FairScaleMethods, DistributedDataParallel):
+    """ZeRO-2 data parallelism for a model whose optimizer is an OSS. FairScale's arguments, in its order:
 
-    bucket_cap_mb:     size of a gradient bucket (every bucket belongs to one owner rank).
-    broadcast_buffers: as in DistributedDataParallel.
-    process_group:     the OSS's group (the default); another group would send gradients to ranks that
-                       do not own them, so it is refused.
-    If you change which parameters require grad after building it, call `refresh_trainable()`.
+    process_group:          the OSS's group (the default); another group would send gradients to ranks that
+                            do not own them, so it is refused.
+    broadcast_buffers:      as in DistributedDataParallel.
+    sync_models_at_startup, auto_refresh_trainable, warn_on_trainable_params_changed: see fairscale_compat.py.
+    reduce_buffer_size:     size of a gradient bucket, in elements (every bucket belongs to one owner rank);
+                            0: a bucket per gradient.
+    reduce_fp16:            average the gradients in fp16: half the bytes, and fp16's rounding.
+    and minifsdp's, by name: bucket_cap_mb (the bucket size in MB instead of reduce_buffer_size),
+    find_unused_parameters and mixed_precision (as in DistributedDataParallel).
+    Methods: no_sync() (DDP's), reduce(), sync_buffers(), refresh_trainable() (fairscale_compat.py), and
+    nn.Module's zero_grad(set_to_none=True).
     """
 
     rebuild_buckets = False  # buckets are grouped by owner; a rebuild by arrival order would mix owners
 
     # --8<-- [start:init]
-    def __init__(self, module: nn.Module, sharded_optimizer: OSS, bucket_cap_mb: float = 25.0,
-                 broadcast_buffers: bool = True, find_unused_parameters: bool = False, mixed_precision=None,
-                 process_group=None):
+    def __init__(self, module: nn.Module, sharded_optimizer: OSS, process_group=None, broadcast_buffers: bool = True,
+                 sync_models_at_startup: bool = True, reduce_buffer_size: int = FAIRSCALE_REDUCE_BUFFER_SIZE,
+                 auto_refresh_trainable: bool = True, reduce_fp16: bool = False,
+                 warn_on_trainable_params_changed: bool = True, *, bucket_cap_mb: float | None = None,
+                 find_unused_parameters: bool = False, mixed_precision=None):
         if not isinstance(sharded_optimizer, OSS):
             raise TypeError(f"ShardedDataParallel needs a sharded optimizer (minifsdp.OSS) to know which rank "
                             f"owns each gradient; got {type(sharded_optimizer).__name__}. Wrap it: "
@@ -58,8 +68,9 @@ class ShardedDataParallel(DistributedDataParallel):
         self.sharded_optimizer = sharded_optimizer
         self.rank = comm.rank(process_group)
         self._reduced, self._saved = set(), {}  # see forward
-        super().__init__(module, bucket_cap_mb, broadcast_buffers, find_unused_parameters, mixed_precision,
-                         process_group)
+        super().__init__(module, bucket_cap_mb_from(reduce_buffer_size, bucket_cap_mb, module), broadcast_buffers,
+                         find_unused_parameters, fp16_reduction(reduce_fp16, mixed_precision), process_group)
+        self._init_fairscale(sync_models_at_startup, auto_refresh_trainable, warn_on_trainable_params_changed)
 
     def _owners(self) -> dict:
         owner = {p: r for r in range(self.world_size) for p in self.sharded_optimizer.owned_params(r)}
@@ -74,7 +85,6 @@ class ShardedDataParallel(DistributedDataParallel):
     def _bucket_groups(self, params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
         """Buckets of one owner each, in the order they fill up as backward produces gradients."""
         owner = self._owners()
-        self._trainable = set(params)
         open_buckets, sizes, groups = {}, {}, []
         for p in reversed(params):  # the order backward produces gradients
             r = owner[p]
@@ -95,13 +105,8 @@ class ShardedDataParallel(DistributedDataParallel):
             bucket.owner = owner[bucket.params[0]]
     # --8<-- [end:bucket_groups]
 
-    # --8<-- [start:trainable]
     def forward(self, *args, **kwargs):
-        now = {p for p in self.module.parameters() if p.requires_grad}
-        if now != self._trainable:
-            changed = sorted(self._names[p] for p in now ^ self._trainable)
-            raise RuntimeError(f"the set of trainable parameters changed since ShardedDataParallel was built "
-                               f"({changed}); call refresh_trainable() so their gradients are routed")
+        self._before_forward()  # parameters frozen or unfrozen since, buffers in flight (fairscale_compat.py)
         if torch.is_grad_enabled():
             # An owner's .grad may still hold the average of an earlier backward (no zero_grad since).
             # Under DDP every rank holds that average, so adding new gradients and averaging again is
@@ -112,10 +117,8 @@ class ShardedDataParallel(DistributedDataParallel):
             self._reduced = set()
         return super().forward(*args, **kwargs)
 
-    def refresh_trainable(self) -> None:
-        """Re-plan buckets and hooks after parameters were frozen or unfrozen."""
-        self._setup_buckets_and_hooks()
-    # --8<-- [end:trainable]
+    def _refresh_optimizer(self) -> None:
+        self.sharded_optimizer.refresh_trainable()  # (OSS has nothing to re-plan: every parameter has an owner)
 
     # --8<-- [start:launch]
     def _launch(self, bucket: _Bucket) -> None:
