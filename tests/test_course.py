@@ -366,18 +366,38 @@ def _original_chapter_passes(chapter: int) -> bool:
     return returncode == 0 and counts.failed + counts.errors == 0
 
 
-@pytest.mark.timeout(2 * REMOVAL_TIMEOUT + 60)
-@pytest.mark.parametrize("exercise", EXERCISES, ids=[ex.id for ex in EXERCISES])
-def test_removal_of_each_exercise_fails_its_chapter(exercise, tmp_path):
-    copy = tmp_path / "student"
+def _remove_and_run(exercise, tmp: Path):
+    """A student copy without this one exercise, and its chapter's tests run on it (stopping at the first
+    failure): (copy, exit code, counts)."""
+    copy = tmp / f"student-{exercise.id}"
     write_student_copy(REPO, copy, only=exercise.id)
-    where = f"exercise {exercise.id} ({exercise.path.relative_to(REPO)}, line {exercise.begin}: {exercise.title})"
     if exercise.chapter not in chapter_test_files(copy):
-        pytest.fail(f"{where} belongs to chapter {exercise.chapter}, which has no tests "
-                    f"(tests/test_ch{exercise.chapter:02d}_*.py): nothing can grade it")
-
+        return copy, None, None
     returncode, counts = run_chapter_tests(copy, exercise.chapter, extra_args=("-x",), timeout=REMOVAL_TIMEOUT,
                                            first=exercise.path.stem)  # e.g. oss.py -> test_ch03_oss.py
+    return copy, returncode, counts
+
+
+@pytest.fixture(scope="module")
+def removals(tmp_path_factory):
+    """Every removal check, two at a time: each is mostly a fresh interpreter importing torch, and this
+    machine has two cores."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    tmp = tmp_path_factory.mktemp("removals")
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {ex.id: pool.submit(_remove_and_run, ex, tmp) for ex in EXERCISES}
+        return {k: f.result() for k, f in futures.items()}
+
+
+@pytest.mark.timeout(len(EXERCISES) * REMOVAL_TIMEOUT + 60)
+@pytest.mark.parametrize("exercise", EXERCISES, ids=[ex.id for ex in EXERCISES])
+def test_removal_of_each_exercise_fails_its_chapter(exercise, removals):
+    copy, returncode, counts = removals[exercise.id]
+    where = f"exercise {exercise.id} ({exercise.path.relative_to(REPO)}, line {exercise.begin}: {exercise.title})"
+    if returncode is None:
+        pytest.fail(f"{where} belongs to chapter {exercise.chapter}, which has no tests "
+                    f"(tests/test_ch{exercise.chapter:02d}_*.py): nothing can grade it")
     assert returncode != 0 and counts.failed + counts.errors >= 1, (
         f"with {where} removed, chapter {exercise.chapter}'s tests still pass ({counts.passed} passed, "
         f"{counts.skipped} skipped): no test runs this code, so a student is never graded on it.\n"

@@ -64,7 +64,7 @@ class DistributedDataParallel(nn.Module):
     # --8<-- [start:init]
     def __init__(self, module: nn.Module, bucket_cap_mb: float = 25.0, broadcast_buffers: bool = True,
                  find_unused_parameters: bool = False, mixed_precision: MixedPrecision | None = None,
-                 process_group=None):
+                 process_group=None, *, init_sync: bool = True):
         super().__init__()
         comm.require_process_group()
         check_module(module, type(self).__name__)
@@ -80,7 +80,8 @@ class DistributedDataParallel(nn.Module):
         self.require_backward_grad_sync = True   # set by no_sync(), read by forward
         self._sync_backward = True               # what the last forward decided (the first: buffers go out)
         self.world_size = comm.world_size(process_group)
-        comm.sync_from_rank0(list(module.named_parameters()) + list(module.named_buffers()), process_group)
+        if init_sync:  # (torch's name; False trusts the ranks to have built the same model)
+            comm.sync_from_rank0(list(module.named_parameters()) + list(module.named_buffers()), process_group)
 
         self._names = {p: n for n, p in module.named_parameters()}
         self._cap = int(bucket_cap_mb * 1024 * 1024)

@@ -61,9 +61,8 @@ def fp16_reduction(reduce_fp16: bool, mixed_precision: MixedPrecision | None) ->
 class FairScaleMethods:
     """What FairScale's ShardedDataParallel has beyond a DDP, for the two ZeRO-2 wrappers (DDP subclasses).
 
-    sync_models_at_startup: FairScale skips its broadcast of rank 0's model with False, on the promise that
-        the ranks already agree. Here the DDP base class broadcasts at construction either way, which
-        changes nothing when that promise holds; the flag is kept, and only costs the startup traffic.
+    sync_models_at_startup: False skips the broadcast of rank 0's model at construction (the DDP base's
+        init_sync), on the promise that the ranks already agree, as in FairScale.
     auto_refresh_trainable: at forward, notice parameters frozen or unfrozen since the buckets were planned
         and re-plan them (True, FairScale's default), or raise an error naming them (False).
     warn_on_trainable_params_changed: warn when auto_refresh_trainable re-plans.

@@ -70,7 +70,7 @@ class FlatShardedDataParallel(FairScaleMethods, DistributedDataParallel):
         self._in_flight = []  # (flat bucket, its reduce-scattered chunk, the flat input kept alive, handle)
         # find_unused_parameters: parameters the graph does not reach count as ready at forward (as zeros)
         super().__init__(module, broadcast_buffers=broadcast_buffers, find_unused_parameters=True,
-                         process_group=flat_optimizer.group)
+                         process_group=flat_optimizer.group, init_sync=sync_models_at_startup)
         flat_optimizer.reduce_in_step = False
         self._init_fairscale(sync_models_at_startup, auto_refresh_trainable, warn_on_trainable_params_changed)
 

@@ -69,7 +69,8 @@ class ShardedDataParallel(FairScaleMethods, DistributedDataParallel):
         self.rank = comm.rank(process_group)
         self._reduced, self._saved = set(), {}  # see forward
         super().__init__(module, bucket_cap_mb_from(reduce_buffer_size, bucket_cap_mb, module), broadcast_buffers,
-                         find_unused_parameters, fp16_reduction(reduce_fp16, mixed_precision), process_group)
+                         find_unused_parameters, fp16_reduction(reduce_fp16, mixed_precision), process_group,
+                         init_sync=sync_models_at_startup)
         self._init_fairscale(sync_models_at_startup, auto_refresh_trainable, warn_on_trainable_params_changed)
 
     def _owners(self) -> dict:
