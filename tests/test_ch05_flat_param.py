@@ -37,7 +37,9 @@ def flat_cases():
         out["tie_kept"] = m.tied.data_ptr() == m[0].weight.data_ptr()  # both places show one view
         out["all_gather_bytes"] = sent.bytes["all_gather"]
         # a gradient through the views lands in the flat parameter, then is reduce-scattered to a shard
+        meter.reset_peak()
         (m[1](torch.tanh(m[0](torch.ones(2, 7))).repeat(1, 2)[:, :16]).sum() * (r + 1)).backward()
+        out["backward_peak"] = meter.peak
         full_grad = flat.param.grad
         flat.param.grad = None
         out["full_grad"] = full_grad.clone()  # reduce_scatter_grad scales its argument in place
@@ -93,3 +95,14 @@ def test_reduce_scatter_gives_each_rank_its_shard_of_the_average(ranks, n):
     for r in range(n):
         torch.testing.assert_close(ranks[n][r]["grad_shard"], average[r * shard: (r + 1) * shard],
                                    rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("n", WORLD_SIZES)
+def test_the_flat_gradient_is_built_in_one_buffer(ranks, n):
+    # in backward: the full buffer, the pieces of the gradient of the one split (the gaps' as zeros) and
+    # their concatenation, the flat gradient -- three buffers, and a few activations of 2 rows (5,192
+    # bytes at the peak). Were the views cut one slice each, each slice's backward would make a zero-filled
+    # gradient of the whole flat size, added one after another (7,400 bytes, more with more parameters).
+    for res in ranks[n]:
+        padded_bytes = res["shard_numel"] * n * 4
+        assert res["backward_peak"] <= 3 * padded_bytes + 1024

@@ -180,6 +180,9 @@ class FlatParameter:
     def unshard(self, async_op: bool = False) -> None:
         """All-gather the full parameters and point every original parameter at its view into them.
         async_op=True: only start the all-gather (a prefetch); wait_unshard() finishes it."""
+        if not self.sharded:  # NO_SHARD: nothing to gather; but the optimizer wrote the buffer in place since
+            self._set_views(use_full=True)  # the views were cut, and autograd refuses views of a split then
+            return
         if self.state is ShardState.SHARDED:
             if self.limiter is not None:
                 self.limiter.before_all_gather()
@@ -233,8 +236,13 @@ class FlatParameter:
         # even when made inside backward, where grad mode is off: a forward recomputed there (activation
         # checkpointing, chapter 9) computes with these views, and its gradients must reach param.grad.
         with torch.enable_grad():
-            if use_full:
-                views = [self.param[o: o + n] for o, n in zip(self.offsets, self.numels)]
+            if use_full:  # one split of the whole buffer, gaps included: autograd then writes the flat gradient
+                # once (a slice per parameter would give each its own zero-filled full-size gradient, summed)
+                sizes, end = [], 0
+                for offset, numel in zip(self.offsets, self.numels):
+                    sizes += [offset - end, numel]  # the gap before this parameter, then the parameter
+                    end = offset + numel
+                views = self.param.split(sizes + [self.param.numel() - end])[1::2]
             else:  # sharded: the originals are not usable; empty tensors make a stray use fail loudly
                 views = [torch.empty(0, dtype=self._shard.dtype, device=self._shard.device)] * len(self.numels)
             for (module, name), i in zip(self.places, self.index):
