@@ -1,6 +1,6 @@
 """The command line:
 
-    python -m minifsdp tour [--world-size 2] [--steps 5] [--device cpu]   every strategy, side by side
+    python -m minifsdp tour [--world-size 2] [--steps 5] [--strategies ...]  every strategy, side by side
     python -m minifsdp memory [--strategies ddp oss sdp] [--world-sizes 1 2 3 4]   memory vs the model
     python -m minifsdp partition [--world-sizes 2 3 4 5 6 7 8]             chapter 3: load balance of partitions
     python -m minifsdp units [--world-size 2]                               chapter 6: FSDP units and payloads
@@ -33,6 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     tour = sub.add_parser("tour", help="train the tiny GPT under every strategy and compare them")
     tour.add_argument("--world-size", type=int, default=2)
     tour.add_argument("--steps", type=int, default=5)
+    tour.add_argument("--strategies", nargs="+", default=None, help="a few of them (default: all)")
     tour.add_argument("--device", default="cpu", choices=["auto", "cpu", "cuda"])
     tour.add_argument("--plot", default="tour_memory.png", help="where to write the memory plot (PNG)")
     tour.add_argument("--markdown", default=None, help="also write the tables as Markdown to this file")
@@ -105,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "tour":
         from minifsdp.reports.tour import run_tour
         run_tour(world_size=args.world_size, steps=args.steps, device=args.device, plot=args.plot,
-                 markdown=args.markdown)
+                 markdown=args.markdown, strategies=args.strategies)
     elif args.command == "memory":
         from minifsdp.reports.tour import run_memory_report
         run_memory_report(strategies=args.strategies, world_sizes=args.world_sizes, steps=args.steps, plot=args.plot, markdown=args.markdown, bars=args.bars)

@@ -163,7 +163,7 @@ def test_fake_backend_measures_rank_zero_of_a_large_job():
 def test_works_under_torchrun(tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "minifsdp", "tour",
-         "--world-size", "2", "--steps", "2", "--plot", str(tmp_path / "m.png")],
+         "--world-size", "2", "--steps", "2", "--strategies", "ddp", "fsdp", "--plot", str(tmp_path / "m.png")],
         cwd=REPO, capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "### ddp" in out.stdout and (tmp_path / "m.png").exists()

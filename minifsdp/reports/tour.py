@@ -81,12 +81,17 @@ def format_table(rows: list[dict], counted: bool = True) -> str:
 
 
 def run_tour(world_size: int = 2, steps: int = 5, device: str = "cpu", plot: str | None = "tour_memory.png",
-             markdown: str | None = None, optimizer: str = "adamw", global_batch: int = 8) -> dict:
+             markdown: str | None = None, optimizer: str = "adamw", global_batch: int = 8,
+             strategies=None) -> dict:
     if steps < 2:
         raise ValueError("the tour needs --steps >= 2: the last step is measured, the others are timed")
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {sorted(OPTIMIZERS)}")
-    strategies = list(STRATEGIES)  # the oracle first; each chapter adds its strategy to the registry
+    unknown = sorted(set(strategies or ()) - set(STRATEGIES))
+    if unknown:
+        raise ValueError(f"unknown strategies {unknown}: choose from {', '.join(STRATEGIES)}")
+    # the oracle first, always (every row is compared with it); each chapter adds its strategy to the registry
+    strategies = [ORACLE] + [name for name in (strategies or STRATEGIES) if name != ORACLE]
     results = launch(_train_all, world_size, device=device,
                      kwargs=dict(strategies=strategies, steps=steps, optimizer=optimizer,
                                  global_batch=global_batch, config=TOUR_MODEL))
