@@ -209,6 +209,18 @@ def surface_cases(tmp):
     reference = TorchDDP(same)
     F.mse_loss(reference(x), y).backward()
     out["ddp grads"] = {"head.weight": reference.module.head.weight.grad, "blocks.1.fc.bias": reference.module.blocks[1].fc.bias.grad}
+    # clip_grad_norm_ as torch's on the whole gradient, sharded or not (NO_SHARD counts each gradient once)
+    for strategy in ("FULL_SHARD", "NO_SHARD"):
+        clipped = FSDP(Net(), auto_wrap_policy=policy, sharding_strategy=getattr(ShardingStrategy, strategy))
+        F.mse_loss(clipped(x), y).backward()
+        norm = clipped.clip_grad_norm_(0.01)
+        with FSDP.summon_full_params(clipped, writeback=False, with_grads=True):
+            grads = {"head.weight": clipped.module.head.weight.grad.clone()}
+        plain = TorchDDP(Net())
+        F.mse_loss(plain(x), y).backward()
+        torch_norm = torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.01)
+        out["clip", strategy] = (norm.item(), torch_norm.item(),
+                                 max_abs_diff(grads, {"head.weight": plain.module.head.weight.grad}))
     out["fsdp_modules"] = (len(FSDP.fsdp_modules(model)), len(FSDP.fsdp_modules(model, root_only=True)),
                            len(FSDP.fsdp_modules(nn.Sequential(model))))
 
@@ -317,6 +329,9 @@ def test_summon_full_params_takes_pytorchs_arguments(ranks, n):
         assert "rank0_only=True, writeback=True" in res["rank0_only writeback"]
         assert max_abs_diff(res["grads"], res["ddp grads"]) <= (0.0 if n == 2 else 1e-6)
         assert res["fsdp_modules"] == (3, 1, 3)
+        for strategy in ("FULL_SHARD", "NO_SHARD"):
+            ours, theirs, grad_diff = res["clip", strategy]
+            assert ours == pytest.approx(theirs, rel=1e-6) and theirs > 0.01 and grad_diff <= 1e-7, strategy
 
 
 @pytest.mark.parametrize("n", (2, 3))

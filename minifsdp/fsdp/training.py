@@ -88,12 +88,8 @@ def clip_grad_norm_(flat_params: list[FlatParameter], max_norm: float, norm_type
     torch.nn.utils.clip_grad_norm_ would on the full gradients; returns that norm (before clipping).
     Each rank holds a disjoint shard of every flat gradient: see zero/clip.py."""
     grads = [flat.param.grad for flat in flat_params if flat.param.grad is not None and flat.sharded]
-    # NO_SHARD: every rank holds the same whole gradient, so only rank 0 adds it to the norm ...
+    # NO_SHARD: every rank holds the same whole gradient, so only rank 0 counts it in the norm; all scale it
     replicated = [flat.param.grad for flat in flat_params if flat.param.grad is not None and not flat.sharded]
     counted = replicated if comm.rank(group) == 0 else []
-    total = clip_sharded_grad_norm_(grads + counted, max_norm, norm_type, group=group)
-    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
-    for g in replicated if comm.rank(group) != 0 else []:  # ... and every rank scales it
-        g.mul_(coef.to(g.device))
-    return total
+    return clip_sharded_grad_norm_(grads + counted, max_norm, norm_type, group=group, scaled=grads + replicated)
 # --8<-- [end:clip]
