@@ -23,7 +23,8 @@ A counter can also record each collective's issue and completion times, and the 
 blocked waiting for one, for timelines (chapter 7). On a GPU those times are CUDA events, read only once
 the timeline ends: NCCL returns from a collective, and completes its future, as soon as the kernels are
 queued, and a wait blocks a stream, not the CPU, so only the GPU can say when the bytes moved and who
-waited. For teaching, `throttled(...)` makes the network slow enough to see on a laptop.
+waited (cuda_timing.py). A collective that fails raises an error that says where every rank was
+(failures.py). For teaching, `throttled(...)` makes the network slow enough to see on a laptop.
 
 Versions: the declared minimum torch (pyproject.toml) has every call made here except the single-tensor
 collectives' newest names, which are looked up where they are made (see `_all_gather_single`).
@@ -42,6 +43,9 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+
+from minifsdp.distributed import cuda_timing
+from minifsdp.distributed.failures import collective_error
 
 ReduceOp = dist.ReduceOp
 
@@ -193,27 +197,6 @@ def throttled(bandwidth: float = 50e6, latency: float = 1e-3):
 # --8<-- [end:throttle]
 
 
-class CollectiveError(RuntimeError):
-    """A collective failed or timed out: which one, on which rank, and the usual reason why."""
-
-
-def _where_the_others_are(here: str, patience: float = 2.0) -> str:
-    """After a collective failed: leave where this rank was in the rendezvous store, and read where the
-    others were, as far as they say so within `patience` seconds (those that failed too say so)."""
-    try:
-        store = dist.distributed_c10d._get_default_store()
-        store.set(f"minifsdp/stuck/{rank()}", here)
-        others, deadline = {}, time.perf_counter() + patience
-        while len(others) < world_size() - 1 and time.perf_counter() < deadline:
-            for r in set(range(world_size())) - {rank()} - set(others):
-                if store.check([f"minifsdp/stuck/{r}"]):
-                    others[r] = store.get(f"minifsdp/stuck/{r}").decode()
-            time.sleep(0.05)
-    except Exception:  # noqa: BLE001 -- the store is gone too: say what this rank knows
-        return ""
-    return "".join(f"rank {r} was in {where}\n" for r, where in sorted(others.items()))
-
-
 class Handle:
     """What an async collective returns: wait() blocks until it is done (and records how long it blocked)."""
 
@@ -223,19 +206,13 @@ class Handle:
         self._where = where          # "all_gather 'unshard blocks.1', collective #12 of group 'world'"
 
     def wait(self) -> None:
-        arrival = _cuda_stamp() if self._cuda_done is not None and self._work is not None else None
+        arrival = cuda_timing.stamp() if self._cuda_done is not None and self._work is not None else None
         t0 = time.perf_counter()
         if self._work is not None:
             try:
                 self._work.wait()
             except RuntimeError as e:  # a timeout, or a peer gone: say which collective this rank was in
-                raise CollectiveError(
-                    f"rank {rank()} waited in {self._where} and it failed: {str(e).splitlines()[0]}\n"
-                    f"{_where_the_others_are(self._where)}"
-                    f"Every rank of a group must issue the same collectives in the same order. Usual causes: "
-                    f"a FullyShardedDataParallel unit (named in the tag) that ran its forward or backward on "
-                    f"some ranks only, a branch of the model taken on some ranks only, or a rank that stopped "
-                    f"early or died (see its own error)") from e
+                raise collective_error(self._where, rank(), world_size(), e) from e
             self._work = None
         if self._not_before > t0:   # the simulated network has not delivered it yet
             time.sleep(self._not_before - t0)
@@ -285,9 +262,9 @@ def _issue(kind: str, nbytes: int, call, async_op: bool, tag: str, group, device
                                     group=name))
             c.events.append(events[-1])
     on_gpu = bool(events) and device is not None and device.type == "cuda"
-    timing = _cuda_begin(group, device) if on_gpu else None
+    timing = cuda_timing.begin(group, device) if on_gpu else None
     work = call(async_op=True)
-    cuda = _cuda_end(timing, work) if timing is not None else None
+    cuda = cuda_timing.end(timing, work) if timing is not None else None
     if cuda is not None:
         for e in events:
             e.cuda = cuda
@@ -303,44 +280,6 @@ def _issue(kind: str, nbytes: int, call, async_op: bool, tag: str, group, device
 # --8<-- [end:issue]
 
 
-# --8<-- [start:cuda_timing]
-_timing_streams: dict = {}  # (process group, device) -> the stream that follows that group's collectives
-
-
-def _cuda_stamp(stream=None):
-    event = torch.cuda.Event(enable_timing=True)
-    event.record(stream)
-    return event
-
-
-def _cuda_begin(group, device):
-    """Before the collective is issued: a stream of the group's own, which only waits and records, joins
-    the issuing stream here. Having waited for the collectives issued before in this group, its start event
-    marks when the link is free and the input is ready -- when NCCL, which runs one group's collectives one
-    after another, can start this one."""
-    key = (group, device)
-    if key not in _timing_streams:
-        _timing_streams[key] = torch.cuda.Stream(device)
-    stream = _timing_streams[key]
-    stream.wait_stream(torch.cuda.current_stream(device))
-    return stream, _cuda_stamp(stream)
-
-
-def _cuda_end(timing, work):
-    """After the collective is issued: the timing stream waits for it -- a wait that blocks that stream only
-    (not the CPU, not the streams doing the work) -- and records its end. Returns (start, end)."""
-    stream, start = timing
-    with torch.cuda.stream(stream):
-        if work is not None:
-            try:
-                # NCCL's future holds an event on its stream: waiting on it blocks the current stream only.
-                # Not work.wait(), which would also release the tensors NCCL is still using to the allocator,
-                # as if the caller had waited
-                work.get_future().wait()
-            except (RuntimeError, AttributeError):  # a backend without futures
-                work.wait()
-        return start, _cuda_stamp(stream)
-# --8<-- [end:cuda_timing]
 
 
 def _nbytes(t: torch.Tensor) -> int:
