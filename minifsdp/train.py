@@ -297,8 +297,9 @@ def _emulated_backward(model_name, net, mp, n, scale, rank_batches) -> torch.Ten
 # --8<-- [end:emulated]
 
 
-def max_abs_diff(a: dict, b: dict) -> float:
-    """Largest |a - b| over every parameter of two state dicts (0.0 means bit-identical)."""
+def max_abs_diff(a: dict, b: dict) -> float | None:
+    """Largest |a - b| over every tensor of two state dicts (0.0 means bit-identical; None: both empty).
+    In float64, so that a float64 model's differences are not rounded away (float32's are exact in it)."""
     if a.keys() != b.keys():
         raise ValueError(f"different parameters: {sorted(set(a) ^ set(b))}")
-    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+    return max(((a[k].double() - b[k].double()).abs().max().item() for k in a), default=None)
