@@ -17,6 +17,7 @@ figures:          ## regenerate every figure and table the chapters include
 	$(PY) -m minifsdp memory --world-sizes 1 2 3 4 --bars peak --plot chapters/figures/ddp_memory.png --markdown chapters/generated/ddp_memory.md
 	$(PY) -m minifsdp demo --world-size 3 > chapters/generated/demo_ws3.txt
 	$(PY) -m minifsdp memory --strategies ddp oss sdp --world-sizes 1 2 3 4 --plot chapters/figures/zero12_memory.png --markdown chapters/generated/zero12_memory.md
+	$(PY) -m minifsdp memory --strategies oss sdp oss_flat sdp_flat --model states-heavy --world-sizes 2 3 4 --bars peak --plot chapters/figures/zero2_peak.png --markdown chapters/generated/zero2_peak.md
 	$(PY) -m minifsdp partition --world-sizes 2 3 4 5 6 7 8 --markdown chapters/generated/partition.md
 	$(PY) -m minifsdp units --world-size 2 --markdown chapters/generated/fsdp_units.md
 	$(PY) -m minifsdp phases --world-sizes 1 2 3 4 --plot chapters/figures/fsdp_phases.png --markdown chapters/generated/fsdp_phases.md

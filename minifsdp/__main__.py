@@ -44,6 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     memory.add_argument("--steps", type=int, default=6)
     memory.add_argument("--plot", default="ddp_memory.png")
     memory.add_argument("--markdown", default=None)
+    memory.add_argument("--model", default="tour", choices=["tour", "states-heavy"],
+                        help="the tiny GPT, or a GPT whose model states outweigh its activations (chapter 4)")
     memory.add_argument("--bars", default="after_step", choices=["after_step", "peak"],
                         help="plot the states after the step (peak as a dot), or memory by category at the peak")
 
@@ -109,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
                  markdown=args.markdown, strategies=args.strategies)
     elif args.command == "memory":
         from minifsdp.reports.tour import run_memory_report
-        run_memory_report(strategies=args.strategies, world_sizes=args.world_sizes, steps=args.steps, plot=args.plot, markdown=args.markdown, bars=args.bars)
+        run_memory_report(strategies=args.strategies, world_sizes=args.world_sizes, steps=args.steps, plot=args.plot, markdown=args.markdown, bars=args.bars, model=args.model)
     elif args.command == "partition":
         from minifsdp.reports.tour import run_partition_report
         run_partition_report(world_sizes=args.world_sizes, markdown=args.markdown)

@@ -91,7 +91,8 @@ def _flat(stage):
         cls, kw = OPTIMIZER_SPECS[optimizer]
         if stage == 1:  # no DDP underneath: the optimizer reduce-scatters the gradients in step()
             return model, FlatOSS(model.parameters(), optim=cls, group=group, **kw)
-        opt = FlatOSS(model.parameters(), optim=cls, bucket_cap_mb=25, group=group, **kw)
+        # buckets of 1 MB: a model of a few MB is sent in several, each freed as soon as it is sent
+        opt = FlatOSS(model.parameters(), optim=cls, bucket_cap_mb=1, group=group, **kw)
         return FlatShardedDataParallel(model, opt), opt
     return build
 

@@ -24,6 +24,7 @@ how buckets are formed, what launching one does, and what happens to the result.
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 import torch.nn as nn
@@ -169,11 +170,20 @@ class DistributedDataParallel(nn.Module):
             self._launch(self._buckets[self._next])
             self._next += 1
 
-    def _flatten(self, bucket: _Bucket) -> torch.Tensor:
-        """The bucket's gradients as one flat tensor, already multiplied by 1/N."""
-        flat = torch.cat([_grad_or_zeros(p).reshape(-1) for p in bucket.params])
+    def _flatten(self, bucket: _Bucket, release: bool = False) -> torch.Tensor:
+        """The bucket's gradients as one flat tensor, already multiplied by 1/N. release=True drops each .grad
+        as soon as it is copied (ZeRO-2 needs them no more), so the bucket is never held twice."""
+        dtype = functools.reduce(torch.promote_types, [p.dtype for p in bucket.params])
         if self.mixed_precision is not None and self.mixed_precision.grad_dtype is not None:
-            flat = flat.to(self.mixed_precision.grad_dtype)  # chapter 8: averaged in reduce_dtype
+            dtype = self.mixed_precision.grad_dtype  # chapter 8: averaged in reduce_dtype
+        flat = torch.empty(sum(p.numel() for p in bucket.params), dtype=dtype, device=bucket.params[0].device)
+        offset = 0
+        for p in bucket.params:
+            piece = flat[offset: offset + p.numel()]
+            piece.zero_() if p.grad is None else piece.copy_(p.grad.reshape(-1))
+            offset += p.numel()
+            if release:
+                p.grad = None
         # Average by multiplying by 1/N before the sum, exactly as torch's DDP does while filling its
         # buckets: the same rounding, so the same bits. (x * (1/3) and x / 3 can differ in the last bit.)
         return flat.mul_(1.0 / self.world_size)
@@ -220,6 +230,7 @@ class DistributedDataParallel(nn.Module):
             elif globally_used is None or globally_used[p]:
                 p.grad = average.to(p.dtype, copy=True)  # unused here, used elsewhere: it gets the average
         # END EXERCISE
+        comm.release(bucket.flat)  # copied out: free it now (comm.release says why not just drop it)
     # --8<-- [end:finish]
 
     def _globally_used(self) -> dict:

@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from minifsdp import events
 from minifsdp.distributed import cuda_timing
 from minifsdp.distributed.failures import collective_error
 
@@ -331,6 +332,16 @@ def reduce(tensor: torch.Tensor, dst: int, op=ReduceOp.SUM, async_op: bool = Fal
     return _issue("reduce", _nbytes(tensor),
                   lambda async_op: dist.reduce(tensor, group=group, group_dst=dst, op=op, async_op=async_op),
                   async_op, tag, group, tensor.device)
+
+
+def release(tensor: torch.Tensor) -> None:
+    """Free the memory of a collective's buffer that is no longer needed (after its wait()), now.
+    Dropping our last reference is not enough: the backend may hold one for a moment after wait() returns
+    (gloo does, about one time in four), so the memory would go at a moment nobody chose, and a peak
+    would change from run to run. Emptying the storage frees it at once, whoever still holds it. Only for
+    a buffer nothing else views; on a GPU, only once the collective's stream is done with it (after wait)."""
+    tensor.untyped_storage().resize_(0)
+    events.emit(events.STORAGE_RESIZED, tensor.untyped_storage())  # no op reports a resize (the meter listens)
 
 
 # --8<-- [start:copy_to]

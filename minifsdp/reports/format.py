@@ -37,7 +37,8 @@ def plot_memory(named_breakdowns: list[tuple[str, dict, float]], path: str, titl
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(1.6 + 1.4 * len(named_breakdowns), 4))
+    # at most 12 inches wide: a wider figure is shrunk to the page's width, and its text with it
+    fig, ax = plt.subplots(figsize=(min(12.0, 1.6 + 1.0 * len(named_breakdowns)), 4.5))
     for i, (label, cats, model_states) in enumerate(named_breakdowns):
         bottom = 0.0
         for cat, color in CATEGORY_COLORS.items():

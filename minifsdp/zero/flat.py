@@ -90,13 +90,16 @@ class FlatBucket:
         # and stepping it in place updates the flat buffer, hence the params that view it.
         self.shard = flat[self.start: self.start + chunk]
 
-    def flat_grad(self, scale: float, dtype: torch.dtype | None = None) -> torch.Tensor:
+    def flat_grad(self, scale: float, dtype: torch.dtype | None = None, release: bool = False) -> torch.Tensor:
         """The bucket's gradients in its flat layout (in `dtype`, default the params'), times `scale`; zeros
-        for padding and missing grads."""
+        for padding and missing grads. release=True drops each .grad once copied (ZeRO-2: the flat copy is
+        all that is sent), so the bucket's gradients are never held twice."""
         out = torch.zeros_like(self.flat, dtype=dtype)
         for p, start in zip(self.params, self.offsets):
             if p.grad is not None:
                 out[start: start + p.numel()].copy_(p.grad.reshape(-1))
+            if release:
+                p.grad = None
         # x * (1/N) before the sum, as torch's DDP does: the same rounding, so the same bits (ddp.py).
         return out.mul_(scale)
 

@@ -107,40 +107,34 @@ class FlatShardedDataParallel(FairScaleMethods, DistributedDataParallel):
         return [b.params for b in self._flat_buckets]
 
     # --8<-- [start:launch]
-    def _launch_ready_buckets(self) -> None:
-        self._retire(wait=False)  # inputs of reduce-scatters already done can go now, not at the end
-        super()._launch_ready_buckets()
-
     def _launch(self, bucket: _Bucket) -> None:
+        # The previous reduce-scatter had this bucket's backward to finish: hand it over, free its input now.
+        # At most one in flight, as in torch's FSDP2, and a fixed rule, so memory is the same in every run.
+        self._retire()
         layout = self._flat_buckets[self._next]  # the FlatOSS's bucket: where these params live, flat
         # BEGIN EXERCISE 4.3: reduce-scatter the bucket's averaged gradients (async), free the full grads
-        flat = layout.flat_grad(1.0 / self.world_size, self.reduce_dtype)
+        flat = layout.flat_grad(1.0 / self.world_size, self.reduce_dtype, release=True)  # .grad dropped as copied
         chunk = torch.empty_like(layout.shard, dtype=flat.dtype)
         handle = comm.reduce_scatter(chunk, flat, async_op=True, tag=f"bucket{self._next}",
                                      group=self.process_group)
-        for p in bucket.params:
-            p.grad = None  # this rank's chunk of the sum is on its way; the rest is the other ranks' business
         self._in_flight.append((layout, chunk, flat, handle))
         # END EXERCISE
     # --8<-- [end:launch]
 
-    def _retire(self, wait: bool) -> None:
-        """Hand finished reduce-scatters to the optimizer and drop their inputs (all of them, if `wait`)."""
-        pending = []
+    def _retire(self) -> None:
+        """Hand finished reduce-scatters to the optimizer and drop their inputs."""
         for layout, chunk, flat, handle in self._in_flight:
-            if not wait and not handle.is_completed():
-                pending.append((layout, chunk, flat, handle))
-                continue
             handle.wait()
+            comm.release(flat)  # the full-size input: gone now, not whenever the backend lets go of it
             if layout.shard.grad is None:
                 layout.shard.grad = chunk.to(layout.shard.dtype)  # (reduce_fp16: back to the slice's fp32)
             else:  # two synced backward passes without zero_grad(): gradients add up, as in DDP
                 layout.shard.grad.add_(chunk)
-        self._in_flight = pending
+        self._in_flight = []
 
     def _finish_buckets(self) -> None:
-        """End of backward (every bucket has gone out: DDP's _finish checked): wait for them all."""
-        self._retire(wait=True)
+        """End of backward (every bucket has gone out: DDP's _finish checked): wait for the last one."""
+        self._retire()
 
 
 def demo(steps: int = 3) -> dict:

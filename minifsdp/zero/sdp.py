@@ -68,6 +68,7 @@ class ShardedDataParallel(FairScaleMethods, DistributedDataParallel):
         self.sharded_optimizer = sharded_optimizer
         self.rank = comm.rank(process_group)
         self._reduced, self._saved = set(), {}  # see forward
+        self._sent = []  # buckets this rank reduced to another owner, still in flight (_retire_sent)
         super().__init__(module, bucket_cap_mb_from(reduce_buffer_size, bucket_cap_mb, module), broadcast_buffers,
                          find_unused_parameters, fp16_reduction(reduce_fp16, mixed_precision), process_group,
                          init_sync=sync_models_at_startup)
@@ -123,27 +124,47 @@ class ShardedDataParallel(FairScaleMethods, DistributedDataParallel):
 
     # --8<-- [start:launch]
     def _launch(self, bucket: _Bucket) -> None:
-        # BEGIN EXERCISE 4.1: reduce the bucket to its owner; the other ranks drop those gradients now
-        bucket.flat = self._flatten(bucket)
+        self._retire_sent()  # the previous send had this bucket's backward to finish: its flat copy goes now
+        bucket.had_grad = [p.grad is not None for p in bucket.params]  # (for the owner's write-back)
+        # BEGIN EXERCISE 4.1: flatten the bucket, dropping its gradients as they are copied; reduce it to its owner
+        bucket.flat = self._flatten(bucket, release=True)  # every rank: the owner gets the sum back in `flat`
         bucket.handle = comm.reduce(bucket.flat, dst=bucket.owner, async_op=True, tag=f"bucket{self._next}",
                                     group=self.process_group)
         if bucket.owner != self.rank:
-            for p in bucket.params:
-                p.grad = None  # already copied into the flat bucket: this is the memory ZeRO-2 saves
+            self._sent.append(bucket)  # scratch once the reduce is done
         # END EXERCISE
     # --8<-- [end:launch]
 
+    # --8<-- [start:retire]
+    def _retire_sent(self) -> None:
+        """Let go of the flat copies this rank sent to other owners. Kept until backward ends, they would add
+        up to the 4Ψ(N-1)/N ZeRO-2 is meant to save. At most one send is in flight, as in torch's FSDP2 (each
+        reduce-scatter's input is freed when the next one is issued): a fixed rule, not "whichever happens
+        to have finished", so memory is the same from run to run; and the wait rarely blocks."""
+        for bucket in self._sent:
+            bucket.handle.wait()
+            comm.release(bucket.flat)
+            bucket.handle = bucket.flat = None
+        self._sent = []
+    # --8<-- [end:retire]
+
     # --8<-- [start:write_back]
     def _write_back(self, bucket: _Bucket, globally_used) -> None:
-        if bucket.owner == self.rank:
-            super()._write_back(bucket, globally_used)  # the owner gets the average, as under DDP
-            for p in bucket.params:
-                saved = self._saved.pop(p, None)
-                if saved is not None:
-                    p.grad = saved if p.grad is None else p.grad.add_(saved)
-                self._reduced.add(p)
-        else:
-            bucket.handle.wait()  # a non-owner's flat is scratch: wait, then let it go
+        if bucket.owner != self.rank:
+            self._retire_sent()  # (the last one sent)
+            return
+        bucket.handle.wait()
+        # The owner's gradients become views of the reduced flat bucket: no second copy of them.
+        offset = 0
+        for p, had_grad in zip(bucket.params, bucket.had_grad):
+            average = bucket.flat[offset: offset + p.numel()].view_as(p)
+            offset += p.numel()
+            if had_grad or globally_used is None or globally_used[p]:
+                p.grad = average if average.dtype == p.dtype else average.to(p.dtype)
+            saved = self._saved.pop(p, None)  # an earlier backward's average (see forward)
+            if saved is not None:
+                p.grad = saved if p.grad is None else p.grad.add_(saved)
+            self._reduced.add(p)
     # --8<-- [end:write_back]
 
 
