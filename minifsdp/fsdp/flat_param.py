@@ -159,6 +159,8 @@ class FlatParameter:
         self.limiter = None                          # FullyShardedDataParallel's rate limiter, if any
         self.name = ""                               # the unit's name, for the byte counter's tags
         self.saved_grad = None                       # see FullyShardedDataParallel._pre_backward
+        self.concat_node = None                      # the autograd node of the views' split (_set_views)
+        self.grad_forwards = 0                       # forwards with gradients since the last backward (fsdp.py)
         self.unsharded_grad = None                   # full gradients kept by no_sync() (chapter 9)
         self.param_dtype = self.reduce_dtype = self._shard.dtype  # chapter 8 (use_precision) may lower these
         self.offload = False                         # chapter 8: the shard lives in host memory
@@ -230,6 +232,20 @@ class FlatParameter:
             self.limiter.freed(self._full)
     # --8<-- [end:reshard]
 
+    # --8<-- [start:free_before_concat]
+    def free_before_concat(self) -> None:
+        """Free the full parameters' memory inside backward, just before autograd concatenates their gradients
+        into the flat gradient (the split's backward, concat_node): no node that reads them is left, and the
+        concatenation needs a flat gradient's worth of memory. The parameter keeps its full shape until
+        reshard(), which follows as soon as the flat gradient is complete: autograd checks that gradient
+        against it, and reads nothing else of it."""
+        if not self.sharded or self.state is not ShardState.UNSHARDED:  # (NO_SHARD: the buffer is the shard)
+            return
+        if self._full.is_cuda:  # as in reshard(): the compute stream may still be reading it
+            self._full.record_stream(torch.cuda.current_stream())
+        _free_storage(self._full)
+    # --8<-- [end:free_before_concat]
+
     # --8<-- [start:views]
     def _set_views(self, use_full: bool) -> None:
         # Cut from self.param (now the full buffer), so autograd sends their gradients into param.grad --
@@ -243,6 +259,9 @@ class FlatParameter:
                     sizes += [offset - end, numel]  # the gap before this parameter, then the parameter
                     end = offset + numel
                 views = self.param.split(sizes + [self.param.numel() - end])[1::2]
+                # its backward concatenates the views' gradients into the flat one: it runs once every node
+                # that reads these parameters has run (free_before_concat)
+                self.concat_node = views[0].grad_fn
             else:  # sharded: the originals are not usable; empty tensors make a stray use fail loudly
                 views = [torch.empty(0, dtype=self._shard.dtype, device=self._shard.device)] * len(self.numels)
             for (module, name), i in zip(self.places, self.index):
@@ -272,7 +291,10 @@ class FlatParameter:
                                        group=self.group), full_grad
             # BEGIN EXERCISE 5.2: this rank's shard of the averaged flat gradient, with one reduce-scatter
             full_grad.mul_(1.0 / self.world_size)  # average as DDP does: 1/N first (in place: no second copy)
-            grad_shard = full_grad.new_empty(self.shard_numel)
+            # in place: the output is this rank's own chunk of the input (NCCL and gloo allow it), so no second
+            # buffer waits beside full_grad while the reduce-scatter is in flight (grad_for_optimizer copies it out)
+            start = self.rank * self.shard_numel
+            grad_shard = full_grad[start: start + self.shard_numel]
             handle = comm.reduce_scatter(grad_shard, full_grad, async_op=True, tag=f"reduce_scatter {self.name}",
                                          group=self.group)
             # END EXERCISE
@@ -328,12 +350,14 @@ class FlatParameter:
         ends (wait_grad_offload) -- before anything (the optimizer, clipping, a loss scaler) can read it.
         Except when a gradient from an earlier backward is to be added to it now (accumulation): the CPU
         needs the values at once, so it waits at once, as PyTorch's FSDP does."""
-        if not self.offload:
-            return grad_shard.to(self._shard.dtype)
+        if not self.offload:  # (sharded: a view into the full gradient -- copied out, so that the full one can go)
+            return grad_shard.to(self._shard.dtype, copy=self.sharded)
         self.wait_grad_offload()  # at most one copy in flight per FlatParameter
         asynchronous = grad_shard.is_cuda and self.saved_grad is None
         # after_compute: the compute stream is where the reduce-scatter's completion was waited for
         with _side_stream("reduce_scatter", grad_shard, after_compute=True):
+            if asynchronous:  # the full gradient it is a view into was made on the compute stream: keep its
+                grad_shard.record_stream(torch.cuda.current_stream())  # memory until this stream has copied it
             host = comm.copy_to(grad_shard, self._shard.device, "device_to_host", non_blocking=asynchronous)
             if not asynchronous:
                 return host.to(self._shard.dtype)

@@ -13,10 +13,13 @@ One step, per unit:
     forward:   unshard (all-gather) -> compute -> reshard (free the full parameters again), except the
                root, whose parameters are needed first in backward anyway, and units built with
                reshard_after_forward=False (they keep them: ZeRO-2-like memory, one all-gather fewer).
-    backward:  when the gradient of the unit's output arrives, unshard again -> compute -> when the
-               flat gradient is complete, reduce-scatter it (asynchronously) and reshard.
-    end:       before backward() returns, wait for every reduce-scatter and leave each rank's shard of
-               the averaged gradient in `.grad` of the flat parameter, which is what the optimizer steps.
+    backward:  when the gradient of the unit's output arrives, unshard again -> compute -> just before
+               autograd makes the flat gradient, free the full parameters and let the earlier units'
+               full gradients go (their reduce-scatters waited for) -> when the flat gradient is
+               complete, reduce-scatter it (asynchronously) and reshard.
+    end:       before backward() returns, wait for the reduce-scatters still in flight and leave each
+               rank's shard of the averaged gradient in `.grad` of the flat parameter, which is what the
+               optimizer steps.
 
 Overlap (chapter 7). Communication can hide behind compute only if it is issued before the compute that
 should cover it. The order units run in is recorded during the first step; from the second on:
@@ -252,6 +255,10 @@ class FullyShardedDataParallel(nn.Module):
             for t in tree_leaves(out):
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     t.register_hook(self._pre_backward)
+            for flat in self.flat_params:
+                flat.grad_forwards += 1
+                if flat.concat_node is not None and flat.grad_forwards == 1:  # the views this forward used
+                    flat.concat_node.register_prehook(lambda grad_outputs, flat=flat: self._before_concat(flat))
         return out
     # --8<-- [end:forward]
 
@@ -296,6 +303,18 @@ class FullyShardedDataParallel(nn.Module):
         return grad
     # --8<-- [end:pre_backward]
 
+    # --8<-- [start:before_concat]
+    def _before_concat(self, flat: FlatParameter) -> None:
+        """Autograd is about to concatenate this unit's parameter gradients into its flat gradient, a new
+        full-size tensor. Make room first: our full parameters go (no node still to run reads them -- unless
+        a second forward fed this gradient: then they stay until reshard, as before), and the earlier units'
+        full gradients, whose reduce-scatters have had our whole backward to finish: wait for them, and let
+        the gradients go. (Not earlier: that would keep our compute from overlapping their reduce-scatters.)"""
+        if flat.grad_forwards == 1:
+            flat.free_before_concat()
+        self._root_unit._retire_finished(wait=True)
+    # --8<-- [end:before_concat]
+
     # --8<-- [start:post_backward]
     def _post_backward(self, flat: FlatParameter) -> None:
         """The flat gradient is complete: average it across ranks (async) and free the full parameters."""
@@ -324,8 +343,10 @@ class FullyShardedDataParallel(nn.Module):
                 still_pending.append((flat, handle, grad_shard, full_grad))
                 continue
             handle.wait()
-            flat.reduce_input = None  # (chapter 8: a reduce_dtype copy of full_grad, if one was sent)
+            sent, flat.reduce_input = flat.reduce_input, None  # full_grad (or chapter 8's reduce_dtype copy)
             grad_shard = flat.grad_for_optimizer(grad_shard)  # chapter 8: fp32, where the shard lives
+            if flat.sharded and not flat.offload:  # the shard is copied out: the full gradient goes now
+                comm.release(sent)
             flat.param.grad = grad_shard if flat.saved_grad is None else flat.saved_grad + grad_shard
             flat.saved_grad = None
         self._pending = still_pending
@@ -338,6 +359,7 @@ class FullyShardedDataParallel(nn.Module):
             events.emit(events.COMPUTE_END, f"backward {unit.unit_name}")  # a unit without gradients never ended
             unit._backward_started = False
             for flat in unit.flat_params:
+                flat.grad_forwards = 0
                 flat.reshard()  # the root, and any unit whose parameters got no gradient
                 # no reduce-scatter came to add to the gradient set aside (no_sync, or no gradient this
                 # time): it goes back -- onto the shard, so only once the unit is resharded

@@ -159,13 +159,14 @@ def expected_full_units(mode: str, phase: str) -> int:
 
     Without prefetching one block computes at a time. A prefetch adds the next one while the current one
     computes: forward_prefetch in forward, BACKWARD_PRE in backward. BACKWARD_POST starts the next
-    all-gather only once the current block's gradient is computed -- the current block's buffer is still
-    alive there (its reduce-scatter and reshard follow), so the peak of two buffers is the same.
+    all-gather only once the current block's gradient is computed -- and the current block's buffer is
+    freed by then (just before autograd concatenates its gradients), so one buffer at a time, as without
+    prefetching (and as in PyTorch's FSDP1, which reshards before it prefetches).
     """
     kw = MODES[mode]
     if phase == "forward":
         return 2 if kw["forward_prefetch"] else 1
-    return 2 if kw["backward_prefetch"] is not None else 1
+    return 2 if kw["backward_prefetch"] == BACKWARD_PRE else 1
 
 
 def run_prefetch_memory_report(world_sizes=(2, 4), markdown: str | None = None) -> dict:
