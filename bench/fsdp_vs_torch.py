@@ -51,7 +51,8 @@ from minifsdp.models import Block
 from minifsdp.train import max_abs_diff
 
 ADAMW = dict(lr=1e-3, weight_decay=0.1)
-LABELS = {"minifsdp": "minifsdp FSDP", "minifsdp_noprefetch": "minifsdp FSDP, no prefetch",
+LABELS = {"minifsdp": "minifsdp FSDP", "minifsdp_defaults": "minifsdp FSDP, defaults",
+          "minifsdp_noprefetch": "minifsdp FSDP, no prefetch",
           "fsdp2": "torch FSDP2 (fully_shard)", "fsdp1": "torch FSDP1", "ddp": "torch DDP"}
 REFERENCE = "fsdp2"  # the ratios are to this one
 
@@ -64,6 +65,8 @@ def build(name, config):
         model = FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({Block}),
                                          reshard_after_forward=True, forward_prefetch=prefetch,
                                          backward_prefetch=BACKWARD_PRE if prefetch else None)
+    elif name == "minifsdp_defaults":  # PyTorch FSDP1's defaults: BACKWARD_PRE, no forward prefetch
+        model = FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({Block}))
     elif name == "fsdp2":
         for block in model.blocks:
             fully_shard(block)

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from minifsdp import RankFailedError, comm, launch
 from minifsdp.ddp import DistributedDataParallel
 from minifsdp.distributed.comm import NoProcessGroupError
+from minifsdp.distributed.launch import rank_pool, threads_per_rank
 from minifsdp.models import ToyModel
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -137,6 +138,104 @@ def test_a_rank_that_dies_without_a_traceback_shows_its_stderr():
     assert info.value.rank == 1, str(info.value)
     assert "code 3" in str(info.value)
     assert "boom: the real reason" in str(info.value)
+
+
+def state_seen():
+    """What a work finds when it starts (its process aside)."""
+    return {"rank": dist.get_rank(), "backend": dist.get_backend(), "threads": torch.get_num_threads(),
+            "dtype": str(torch.get_default_dtype()), "random": torch.rand(2).tolist(),
+            "groups": len(dist.distributed_c10d._world.pg_map), "counters": len(comm._active),
+            "issued": dict(comm._issued), "named": len(comm._group_names), "env": "LEFT_BY_A_WORK" in os.environ}
+
+
+def pid_and_state():
+    return os.getpid(), state_seen()
+
+
+def leave_state_behind():
+    torch.set_num_threads(1)
+    torch.manual_seed(1234)
+    torch.set_default_dtype(torch.float64)
+    group = dist.new_group(list(range(dist.get_world_size())))
+    comm.name_group(group, "mine")
+    comm.counting().__enter__()  # a counter never left
+    comm.all_reduce(torch.ones(2), group=group)
+    comm.all_reduce(torch.ones(2))
+    os.environ["LEFT_BY_A_WORK"] = "1"
+    return os.getpid()
+
+
+def test_a_pool_reuses_its_ranks_and_they_start_each_work_fresh(monkeypatch):
+    monkeypatch.setenv("MINIFSDP_POOL", "0")  # none, even in the test suite's block
+    fresh = launch(pid_and_state, world_size=2, device="cpu")
+    monkeypatch.delenv("MINIFSDP_POOL")
+    with rank_pool():
+        first = launch(pid_and_state, world_size=2, device="cpu")
+        assert launch(leave_state_behind, world_size=2, device="cpu") == [pid for pid, _ in first]
+        again = launch(pid_and_state, world_size=2, device="cpu")
+        other_shape = launch(pid_and_state, world_size=3, device="cpu")
+        assert launch(pid_and_state, world_size=2, device="cpu") == first  # both shapes stay
+    assert again == first  # the same processes, and what the work left behind is gone
+    assert not {pid for pid, _ in other_shape} & {pid for pid, _ in first}
+    assert first[0][1]["threads"] == threads_per_rank(2) and first[0][1]["groups"] == 1
+    # as a fresh rank finds it; the random numbers too where fresh ranks share a seed (forked from one server)
+    if os.environ.get("MINIFSDP_START_METHOD") != "forkserver":
+        for _, state in fresh + first:
+            del state["random"]
+    assert [state for _, state in first] == [state for _, state in fresh]
+    assert not {pid for pid, _ in first} & {pid for pid, _ in fresh}
+
+
+def raise_on_rank_one():
+    if dist.get_rank() == 1:
+        raise KeyError("the data for rank 1 is missing")
+    return os.getpid()
+
+
+def leave_no_process_group():
+    dist.destroy_process_group()
+    return os.getpid()
+
+
+def test_a_failure_in_a_pool_is_the_usual_error_and_the_next_launch_starts_fresh_ranks(monkeypatch):
+    monkeypatch.delenv("MINIFSDP_POOL", raising=False)
+    with rank_pool():
+        pids = [pid for pid, _ in launch(pid_and_state, world_size=2, device="cpu")]
+        with pytest.raises(RankFailedError) as info:
+            launch(raise_on_rank_one, world_size=2, device="cpu")
+        assert info.value.rank == 1
+        assert str(info.value).startswith("rank 1 failed: KeyError: 'the data for rank 1 is missing'")
+        assert "--- traceback from rank 1 ---" in str(info.value)
+        assert "raise_on_rank_one" in info.value.remote_traceback
+        after_failure = [pid for pid, _ in launch(pid_and_state, world_size=2, device="cpu")]
+        assert not set(after_failure) & set(pids)
+        # a work that destroys the process group cannot be followed on its ranks: the next gets fresh ones
+        assert launch(leave_no_process_group, world_size=2, device="cpu") == after_failure
+        after_destroy = launch(pid_and_state, world_size=2, device="cpu")
+        assert not {pid for pid, _ in after_destroy} & set(after_failure)
+        assert after_destroy[1][1]["rank"] == 1
+
+
+def _gone(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"  # ended, not yet reaped by its parent
+    except FileNotFoundError:
+        return True
+
+
+def test_ranks_started_in_a_block_end_with_it(monkeypatch):
+    monkeypatch.delenv("MINIFSDP_POOL", raising=False)
+    with rank_pool():
+        outer = launch(pid_and_state, world_size=2, device="cpu", timeout=41)  # a shape of this test's own
+        with rank_pool():
+            inner = launch(pid_and_state, world_size=2, device="cpu", timeout=42)
+            assert launch(pid_and_state, world_size=2, device="cpu", timeout=41) == outer
+        deadline = time.time() + 10
+        while not all(_gone(pid) for pid, _ in inner) and time.time() < deadline:
+            time.sleep(0.05)
+        assert all(_gone(pid) for pid, _ in inner)
+        assert launch(pid_and_state, world_size=2, device="cpu", timeout=41) == outer  # the outer block's stay
 
 
 def test_no_process_group_is_a_clear_error():

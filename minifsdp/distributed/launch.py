@@ -15,6 +15,15 @@ From the command line the same code runs under torchrun, which starts the proces
 Failure is loud and bounded: every collective has a timeout, and when one rank raises or dies, the
 launcher stops the others (each prints which rank it is stopping for) and raises `RankFailedError` with
 its traceback (or how it died and the end of its stderr). Nothing waits forever.
+
+Starting ranks costs a process each and a rendezvous. Where one program launches many times (a test
+module, a script comparing configurations), ranks can stay and take the next launch of the same shape:
+
+    with rank_pool():
+        launch(work, world_size=2)      # starts two ranks, which stay until the block ends
+        launch(other, world_size=2)     # the same two processes, put back to a fresh rank's state first
+
+See pool.py for what is put back between works, and when a pool is given up for fresh ranks.
 """
 
 from __future__ import annotations
@@ -37,6 +46,8 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+
+from minifsdp.distributed import pool
 
 DEFAULT_TIMEOUT = 60.0  # seconds any one collective may wait for its peers
 # How gloo (and its store) say that a peer vanished: a rank failing so is an echo of that death, not its cause.
@@ -116,6 +127,22 @@ def launch(work: Callable[..., Any], world_size: int = 2, *, args: tuple = (), k
     return _spawn(work, world_size, args, kwargs, resolve_device(device, world_size), timeout)
 
 
+@contextlib.contextmanager
+def rank_pool():
+    """Inside the block, a launch reuses the ranks an earlier one left, if it has the same start method,
+    world size, device and timeout, instead of starting processes and a rendezvous; leaving the block ends
+    the ranks started in it. MINIFSDP_POOL=1 pools every launch (ranks stay until the process exits),
+    MINIFSDP_POOL=0 none, not even in a block.
+
+    Functions typed into a notebook are still started fresh, forked from the kernel: a rank that already
+    runs could not see a function defined after it started, nor what the kernel changed since."""
+    pool.enter_scope()
+    try:
+        yield
+    finally:
+        pool.leave_scope()
+
+
 def _run_fake(work, world_size, args, kwargs):
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the 'fake' backend
 
@@ -154,23 +181,89 @@ def _free_port() -> int:
 
 def _rank_main(rank, world_size, device, port, payload, timeout, out_dir, failed_rank):
     """Body of one spawned process: join the group, run the work, leave a result (or a traceback) behind."""
+    _become_rank(rank, world_size, port, failed_rank)
+    _attach_stderr(out_dir, rank)
+    _run_work(rank, payload, out_dir, failed_rank, lambda: init_process_group(rank, world_size, device, timeout))
+    # Leave together, and without tearing the group down: past the barrier no rank has a collective in
+    # flight, and gloo's teardown can abort a process whose peers are exiting at the same moment.
+    try:
+        dist.barrier()
+    except Exception:  # noqa: BLE001 -- a peer gone after leaving its result: ours is written too
+        pass
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
+
+def _pooled_rank_main(rank, world_size, device, port, timeout, failed_rank, conn):
+    """Body of a pooled process: the fresh rank's, for each work the launcher sends, until it sends None.
+    Between two works the rank returns to the state it had before the first (pool.FreshState), or, where
+    it cannot, leaves as a fresh rank would -- the launcher then starts fresh ones."""
+    _become_rank(rank, world_size, port, failed_rank)
+    fresh = None
+
+    def join_group():  # the payload is unpickled by now: the modules it imported count as fresh state
+        nonlocal fresh
+        if fresh is None:
+            init_process_group(rank, world_size, device, timeout)
+            fresh = pool.FreshState(timeout, device)
+        fresh.note_new_modules()
+
+    while True:
+        try:
+            command = conn.recv()
+        except (EOFError, KeyboardInterrupt):  # the launcher is gone (or Ctrl-C reached us too): so are we
+            command = None
+        if command is None:
+            os._exit(0)
+        out_dir, payload = command
+        _attach_stderr(out_dir, rank)
+        _run_work(rank, payload, out_dir, failed_rank, join_group)
+        try:
+            dist.barrier()  # as a fresh rank leaves: no collective of this work is in flight past it
+            reusable = fresh.reusable(rank)
+            if reusable:
+                fresh.restore()
+        except Exception:  # noqa: BLE001 -- a peer gone, or a group that cannot be put back
+            reusable = False
+        sys.stdout.flush()
+        sys.stderr.flush()
+        if reusable:
+            try:
+                conn.send("ready")
+                continue
+            except OSError:  # the launcher is gone
+                pass
+        os._exit(0)
+
+
+def _become_rank(rank, world_size, port, failed_rank):
     def stop(signum, frame):  # the launcher stops us because another rank failed
         print(f"[minifsdp] rank {rank}: stopping because rank {failed_rank.value} failed", file=sys.stderr,
               flush=True)
         os._exit(1)
 
     signal.signal(signal.SIGTERM, stop)
-    # Everything written to fd 2 (by Python, by gloo's C++, by faulthandler on a segfault) goes to a file
-    # that the launcher passes on to its own stderr, and quotes if this rank dies without a traceback.
-    os.dup2(os.open(os.path.join(out_dir, f"rank{rank}.stderr"), os.O_WRONLY | os.O_APPEND), 2)
-    faulthandler.enable()
+    faulthandler.enable()  # on fd 2, wherever _attach_stderr points it
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+
+
+def _attach_stderr(out_dir, rank):
+    """Everything written to fd 2 (by Python, by gloo's C++, by faulthandler on a segfault) goes to a file
+    that the launcher passes on to its own stderr, and quotes if this rank dies without a traceback."""
+    sys.stderr.flush()
+    fd = os.open(os.path.join(out_dir, f"rank{rank}.stderr"), os.O_WRONLY | os.O_APPEND)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
+def _run_work(rank, payload, out_dir, failed_rank, join_group):
+    """Run the work and leave its result; on any failure leave the error behind and exit."""
     path = os.path.join(out_dir, f"rank{rank}.pkl")
     try:
         work, args, kwargs = pickle.loads(payload)
-        init_process_group(rank, world_size, device, timeout)
+        join_group()
         result = work(*args, **kwargs)
         with open(path + ".tmp", "wb") as f:
             pickle.dump(("ok", result), f)
@@ -189,15 +282,6 @@ def _rank_main(rank, world_size, device, port, payload, timeout, out_dir, failed
         os.replace(path + ".tmp", path)
         sys.stderr.flush()
         os._exit(1)
-    # Leave together, and without tearing the group down: past the barrier no rank has a collective in
-    # flight, and gloo's teardown can abort a process whose peers are exiting at the same moment.
-    try:
-        dist.barrier()
-    except Exception:  # noqa: BLE001 -- a peer gone after leaving its result: ours is written too
-        pass
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 def _start_method(work) -> str:
@@ -228,8 +312,6 @@ def _spawn(work, world_size, args, kwargs, device, timeout):
     ctx = mp.get_context(method)
     if method == "forkserver":  # imported once, by the server, before it forks any rank
         ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "minifsdp"])
-    failed_rank = ctx.Value("i", -1)
-    port = _free_port()
     # Plain pickle, so every rank gets its own copy of the arguments: multiprocessing's own pickler would
     # put tensors in shared memory, and a rank updating one in place would change it for all the others
     # (and for the caller).
@@ -237,33 +319,72 @@ def _spawn(work, world_size, args, kwargs, device, timeout):
     with tempfile.TemporaryDirectory(prefix="minifsdp-") as out_dir:
         for r in range(world_size):  # the rank appends its stderr to it
             open(os.path.join(out_dir, f"rank{r}.stderr"), "wb").close()
+        if method != "fork" and pool.enabled():
+            return _run_pooled(ctx, (method, world_size, device, timeout), payload, out_dir)
+        failed_rank = ctx.Value("i", -1)
+        port = _free_port()
         procs = [ctx.Process(target=_rank_main, daemon=True, name=f"minifsdp-rank{r}",
                              args=(r, world_size, device, port, payload, timeout, out_dir, failed_rank))
                  for r in range(world_size)]
         with _rank_environment():
             for p in procs:
                 p.start()
-        ended: dict[int, tuple] = {}  # rank -> what it left behind, in the order the ranks were seen to end
         sent = [0] * world_size  # bytes of each rank's stderr passed on to ours
         try:
-            while len(ended) < world_size and not _failures(ended):
-                _watch(procs, out_dir, ended, sent)
-            if _failures(ended):
-                rank, message, tb = _blame(procs, out_dir, ended, sent, failed_rank)
-                failed_rank.value = rank  # what the ranks stopped below say they stop for
-                for p in procs:
-                    if p.is_alive():
-                        p.terminate()
-                for p in procs:
-                    p.join(timeout=10)
-                raise RankFailedError(rank, message, tb)
-            return [ended[r][1] for r in range(world_size)]
+            return _collect(procs, out_dir, sent, failed_rank)
         finally:
             for p in procs:  # e.g. KeyboardInterrupt in the launcher: never leave ranks behind
                 if p.is_alive():
                     p.kill()
                 p.join()
             _pass_on_stderr(out_dir, sent, everything=True)
+
+
+def _run_pooled(ctx, key, payload, out_dir):
+    """_spawn on the pool's ranks for `key`, started (and left in the pool) if there are none."""
+    _, world_size, device, timeout = key
+    ranks = pool.take(key)
+    if ranks is None:
+        failed_rank, port = ctx.Value("i", -1), _free_port()
+        pipes = [ctx.Pipe() for _ in range(world_size)]
+        procs = [ctx.Process(target=_pooled_rank_main, daemon=True, name=f"minifsdp-pooled-rank{r}",
+                             args=(r, world_size, device, port, timeout, failed_rank, pipes[r][1]))
+                 for r in range(world_size)]
+        with _rank_environment():
+            for p in procs:
+                p.start()
+        for _, theirs in pipes:  # only the rank holds its end: when the rank dies, ours reads EOF
+            theirs.close()
+        ranks = pool.Pool(key, procs, [ours for ours, _ in pipes], failed_rank)
+    ranks.send((out_dir, payload))
+    sent, results = [0] * world_size, None
+    try:
+        results = _collect(ranks.procs, out_dir, sent, ranks.failed_rank, pooled=True)
+        return results
+    finally:
+        if results is None:  # a rank failed, or the launcher was interrupted: no state to trust
+            ranks.close(kill=True)
+        else:
+            pool.give_back(ranks)
+        _pass_on_stderr(out_dir, sent, everything=True)
+
+
+def _collect(procs, out_dir, sent, failed_rank, pooled=False) -> list[Any]:
+    """Every rank's result, in rank order, passing on their stderr meanwhile; or, at the first failure, stop
+    the other ranks and raise RankFailedError for its cause."""
+    ended: dict[int, tuple] = {}  # rank -> what it left behind, in the order the ranks were seen to end
+    while len(ended) < len(procs) and not _failures(ended):
+        _watch(procs, out_dir, ended, sent, pooled)
+    if _failures(ended):
+        rank, message, tb = _blame(procs, out_dir, ended, sent, failed_rank, pooled)
+        failed_rank.value = rank  # what the ranks stopped below say they stop for
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+        for p in procs:
+            p.join(timeout=10)
+        raise RankFailedError(rank, message, tb)
+    return [ended[r][1] for r in range(len(procs))]
 
 
 @contextlib.contextmanager
@@ -280,12 +401,14 @@ def _rank_environment():
             del os.environ["OMP_WAIT_POLICY"]
 
 
-def _watch(procs, out_dir, ended, sent):
+def _watch(procs, out_dir, ended, sent, pooled=False):
     """One poll: note what each rank that ended since the last one left behind -- ("ok", result), ("error",
-    message, traceback) or () -- and pass on to our stderr what the ranks wrote to theirs."""
+    message, traceback) or () -- and pass on to our stderr what the ranks wrote to theirs. A rank's launch
+    ends with its process; a pooled rank's, as soon as it leaves its result (the process stays)."""
     for r, p in enumerate(procs):
-        if r not in ended and p.exitcode is not None:
-            path, ended[r] = os.path.join(out_dir, f"rank{r}.pkl"), ()
+        path = os.path.join(out_dir, f"rank{r}.pkl")
+        if r not in ended and (p.exitcode is not None or pooled and os.path.exists(path)):
+            ended[r] = ()
             if os.path.exists(path):
                 with open(path, "rb") as f:
                     ended[r] = pickle.load(f)
@@ -310,7 +433,7 @@ def _pass_on_stderr(out_dir, sent, everything=False):
             sys.stderr.write(data[:cut].decode(errors="replace"))
 
 
-def _blame(procs, out_dir, ended, sent, failed_rank) -> tuple[int, str, str]:
+def _blame(procs, out_dir, ended, sent, failed_rank, pooled=False) -> tuple[int, str, str]:
     """(rank, message, traceback) of the cause: the first rank to raise, unless it raised only that a peer
     vanished; else the first seen to fail that is no such echo (killed, segfault, os._exit). An echo can end
     before the death behind it is seen, so until there is a cause, wait (a little) for the ranks to end."""
@@ -323,7 +446,7 @@ def _blame(procs, out_dir, ended, sent, failed_rank) -> tuple[int, str, str]:
         if (causes and not raised_but_running) or len(ended) == len(procs) or time.monotonic() > deadline:
             rank = (causes or [first_raised if first_raised in reports else failed[0]])[0]
             return (rank, *reports[rank])
-        _watch(procs, out_dir, ended, sent)
+        _watch(procs, out_dir, ended, sent, pooled)
 
 
 def _error_report(rank, exitcode, left, out_dir) -> tuple[str, str]:
