@@ -24,7 +24,8 @@ figures:          ## regenerate every figure and table the chapters include
 	$(PY) -m minifsdp timeline --world-size 2 --plot chapters/figures/timelines.png --markdown chapters/generated/timelines.md
 	$(PY) -m minifsdp prefetch-memory --world-sizes 2 4 --markdown chapters/generated/prefetch_memory.md
 	$(PY) bench/fsdp_vs_torch.py > chapters/generated/fsdp_bench.md
-	$(PY) bench/sweep.py --plot chapters/figures/cost_curves.png --markdown chapters/generated/cost_curves.md
+	$(PY) bench/memory_family.py --markdown chapters/generated/memory_family.md
+	$(PY) bench/sweep.py --sizes 1M 3M 10M 30M --world-sizes 1 2 4 --plot chapters/figures/cost_curves.png --markdown chapters/generated/cost_curves.md
 	$(PY) -m minifsdp precision --world-size 2 --markdown chapters/generated/precision.md --plot chapters/figures/precision_loss.png
 	$(PY) -m minifsdp options --world-size 2 --markdown chapters/generated/training_options.md
 	$(PY) -m minifsdp parity --world-sizes 1 2 3 4 --markdown chapters/generated/parity.md

@@ -15,7 +15,7 @@ and beside them the models, the training harness (train.py), mixed precision (ch
 """
 
 from minifsdp.ddp import DDP, DistributedDataParallel, all_reduce_by_parts
-from minifsdp.distributed import RankFailedError, comm, current_device, launch
+from minifsdp.distributed import RankFailedError, comm, current_device, launch, rank_pool
 from minifsdp.fsdp import FSDP, BackwardPrefetch, FullyShardedDataParallel, ModuleWrapPolicy, SizeBasedWrapPolicy
 from minifsdp.measure import MemoryMeter, Timeline, analytic
 from minifsdp.mixed_precision import CPUOffload, MixedPrecision, ShardedGradScaler
@@ -29,4 +29,4 @@ __all__ = ["BackwardPrefetch", "CPUOffload", "MixedPrecision", "ShardedGradScale
            "DistributedDataParallel", "FSDP", "FlatOSS", "FlatShardedDataParallel", "FullyShardedDataParallel",
            "ModuleWrapPolicy", "SizeBasedWrapPolicy", "get_full_state_dict", "set_full_state_dict", "GPTConfig",
            "MemoryMeter", "OSS", "RankFailedError", "SDP", "ShardedDataParallel", "TinyGPT", "ToyModel",
-           "all_reduce_by_parts", "analytic", "comm", "current_device", "gpt_batch", "launch", "toy_batch"]
+           "all_reduce_by_parts", "analytic", "comm", "current_device", "gpt_batch", "launch", "rank_pool", "toy_batch"]

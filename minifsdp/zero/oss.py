@@ -193,7 +193,7 @@ class OSS(torch.optim.Optimizer):
                 comm.broadcast(flat, src=owner, tag=f"params of rank {owner}", group=self.group)
                 if owner != self.rank or wire != params[0].dtype:  # sent rounded: the owner takes what all got
                     _unflatten_into(flat, params)
-                del flat  # before the next bucket is allocated: one bucket-sized buffer at a time
+                comm.release(flat)  # before the next bucket is allocated: one bucket-sized buffer at a time
                 # END EXERCISE
     # --8<-- [end:step]
 
