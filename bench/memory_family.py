@@ -48,6 +48,8 @@ from minifsdp.fsdp import FullyShardedDataParallel
 from minifsdp.measure.meter import CATEGORIES, _Tracker
 from minifsdp.models import Block
 
+from fsdp_vs_torch import unsharded_buffers  # (bench/): each design's full-parameter buffers
+
 MiB = 2 ** 20
 DESIGNS = ("minifsdp", "fsdp2", "fsdp1")
 LABELS = {"minifsdp": "minifsdp FSDP", "fsdp2": "torch fully_shard", "fsdp1": "torch FSDP1"}
@@ -230,23 +232,6 @@ def build(design: str, shape: Shape):
     else:
         raise ValueError(design)
     return model, OPTIMIZERS[shape.optimizer](model.parameters())
-
-
-def unsharded_buffers(design: str, model) -> list[torch.Tensor]:
-    """The storages each design keeps across steps for its full parameters (resized in place)."""
-    if design == "minifsdp":
-        return [flat._full for unit in model.units() for flat in unit.flat_params]
-    if design == "fsdp1":
-        from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
-        return [m._handle.flat_param._full_param_padded for m in model.modules()
-                if isinstance(m, TorchFSDP) and m._handle is not None]
-    from torch.distributed.fsdp import FSDPModule
-    out = []
-    for m in model.modules():
-        group = m._get_fsdp_state()._fsdp_param_group if isinstance(m, FSDPModule) else None
-        if group is not None:
-            out += [t for p in group.fsdp_params for t in p.all_gather_outputs]
-    return out
 
 
 def rank_batch(shape: Shape, step: int):
