@@ -91,12 +91,16 @@ class ShardedDataParallel(FairScaleMethods, DistributedDataParallel):
         for p in reversed(params):  # the order backward produces gradients
             r = owner[p]
             nbytes = p.numel() * p.element_size()
-            if r in open_buckets and sizes[r] + nbytes > self._cap:
-                groups.append(open_buckets.pop(r))  # full: it is launched in the order it filled up
-            if r not in open_buckets:
-                open_buckets[r], sizes[r] = [], 0
-            open_buckets[r].append(p)
-            sizes[r] += nbytes
+            if open_buckets and sum(sizes.values()) + nbytes > self._cap:
+                # The open buckets, one per owner, together wait for no more than one cap, as DDP's one open
+                # bucket does: the fullest is launched now. Were each owner's bucket allowed a whole cap, N
+                # caps of gradients could wait unsent; and since OSS deals the parameters out across the
+                # whole model, a cap as large as a share (FairScale's default) fills only at backward's end.
+                fullest = max(sizes, key=sizes.get)
+                groups.append(open_buckets.pop(fullest))
+                del sizes[fullest]
+            open_buckets.setdefault(r, []).append(p)
+            sizes[r] = sizes.get(r, 0) + nbytes
         groups.extend(open_buckets.values())
         return groups
 
