@@ -9,6 +9,7 @@
     python -m minifsdp prefetch-memory [--world-sizes 2 4]                  chapter 7: what prefetching costs
     python -m minifsdp precision [--world-size 2]                           chapter 8: memory and bytes per precision
     python -m minifsdp options [--world-size 2]                             chapter 9: accumulation, checkpointing, init
+    python -m minifsdp checkpoints [--world-sizes 1 2 3 4]                  chapter 10: checkpoint size and time
     python -m minifsdp parity [--world-sizes 1 2 3 4]                       chapter 6: parity of every strategy vs torch
     python -m minifsdp gpu-check [--markdown PATH]                          every strategy on NCCL (GPUs only)
     python -m minifsdp demo [--world-size 3]                                all-reduce = reduce-scatter + all-gather
@@ -84,6 +85,11 @@ def main(argv: list[str] | None = None) -> int:
     opts.add_argument("--world-size", type=int, default=2)
     opts.add_argument("--markdown", default=None)
 
+    ck = sub.add_parser("checkpoints", help="chapter 10: checkpoint size on disk and save/load time per strategy")
+    ck.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2, 3, 4])
+    ck.add_argument("--markdown", default=None)
+    ck.add_argument("--plot", default=None, help="also draw which boxes each rank writes at N and reads at M")
+
     parity = sub.add_parser("parity", help="the parity matrix: every strategy on odd, tied, frozen, unused, BatchNorm, "
                                            "reused and float64 models vs torch's DDP (or FSDP1), at each world size")
     parity.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2, 3, 4])
@@ -135,6 +141,9 @@ def main(argv: list[str] | None = None) -> int:
     elif args.command == "options":
         from minifsdp.reports.options import run_options_report
         run_options_report(world_size=args.world_size, markdown=args.markdown)
+    elif args.command == "checkpoints":
+        from minifsdp.reports.checkpoints import run_checkpoint_report
+        run_checkpoint_report(world_sizes=args.world_sizes, markdown=args.markdown, plot=args.plot)
     elif args.command == "parity":
         from minifsdp.reports.parity import run_parity_report
         return run_parity_report(world_sizes=args.world_sizes, markdown=args.markdown)

@@ -33,7 +33,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.metadata import StorageMeta
+from torch.distributed.checkpoint.metadata import StorageMeta, TensorStorageMetadata
 
 from minifsdp.checkpoint import state as held
 
@@ -105,6 +105,9 @@ def load(path, model: nn.Module, optimizer=None, *, strict: bool = True) -> dict
     reader = SafeFileSystemReader(found)
     metadata = reader.read_metadata()
     saved = {_key(metadata, k): md for k, md in metadata.state_dict_metadata.items()}
+    pickled = sorted(".".join(k) for k, md in saved.items() if not isinstance(md, TensorStorageMetadata))
+    if pickled:  # DCP would unpickle these with torch.load(weights_only=False); minifsdp never writes any
+        raise RuntimeError(f"checkpoint.load: {pickled} are pickled objects, not tensors: refusing to load them")
     meta = _load_meta(found, saved)
     missing, unexpected = check(saved, meta, model, optimizer, strict)
     rank = dist.get_rank() if dist.is_initialized() else 0

@@ -39,6 +39,7 @@ from minifsdp.distributed import comm
 # --8<-- [start:boxes]
 def boxes(shape, start: int, end: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
     """The elements [start, end) of a row-major tensor of `shape`, as boxes (offsets, sizes), in order."""
+    # BEGIN EXERCISE 10.1: cut a range of a row-major tensor into boxes: partial row, whole rows, partial row
     if start >= end:
         return []
     if len(shape) <= 1:
@@ -56,6 +57,7 @@ def boxes(shape, start: int, end: int) -> list[tuple[tuple[int, ...], tuple[int,
     if last * row < end:  # the partial row it ends in
         out += [((last,) + o, (1,) + s) for o, s in boxes(shape[1:], 0, end - last * row)]
     return out
+    # END EXERCISE
 # --8<-- [end:boxes]
 
 
@@ -83,14 +85,16 @@ def sharded_piece(local: torch.Tensor, shard_start: int, shard_numel: int, offse
     metadata, mine = [], []
     n = comm.world_size(group)
     ranks = comm.group_ranks(group)
-    for q in range(n):  # rank q holds [q * shard_numel, (q + 1) * shard_numel) of the flat buffer
-        lo, hi = max(offset, q * shard_numel), min(offset + numel, (q + 1) * shard_numel)
+    for q in range(n):
+        # BEGIN EXERCISE 10.2: rank q's part of this tensor, as boxes; this rank's boxes as views into `local`
+        lo, hi = max(offset, q * shard_numel), min(offset + numel, (q + 1) * shard_numel)  # rank q's range
         for box_offsets, sizes in boxes(shape, lo - offset, hi - offset):
             metadata.append(ShardMetadata(list(box_offsets), list(sizes), f"rank:{ranks[q]}/{local.device}"))
-            if q * shard_numel == shard_start:
+            if q * shard_numel == shard_start:  # a box is a contiguous run of the flat shard: a view
                 begin = offset + flat_start(shape, box_offsets) - shard_start
                 view = local[begin: begin + math.prod(sizes)].view(sizes)
                 mine.append(Shard(view, metadata[-1]))
+        # END EXERCISE
     properties = TensorProperties(dtype=local.dtype, requires_grad=False)
     global_metadata = ShardedTensorMetadata(metadata, torch.Size(shape), properties)
     return ShardedTensor._init_from_local_shards_and_global_metadata(mine, global_metadata, process_group=group)

@@ -40,7 +40,7 @@ def strategy_of(model: nn.Module, optimizer=None) -> str:
     """Which layout holds this model's (and optimizer's) state: fsdp, flat, oss, dtensor or replicated."""
     if isinstance(model, FullyShardedDataParallel):
         return "fsdp"
-    if type(model).__module__.startswith("torch.distributed.fsdp"):
+    if type(model).__module__ == "torch.distributed.fsdp.fully_sharded_data_parallel":  # not fully_shard's
         raise TypeError("torch's FullyShardedDataParallel (FSDP1) keeps flat parameters of its own: save it with "
                         "torch.distributed.checkpoint.state_dict.get_state_dict, or use minifsdp's "
                         "FullyShardedDataParallel (or torch's fully_shard), which minifsdp.checkpoint reads")
@@ -150,6 +150,7 @@ def slots(model: nn.Module, optimizer) -> list[Slot]:
             for group in optimizer.param_groups for p in group["params"]]
 
 
+# --8<-- [start:optimizer_state]
 def optimizer_state(model: nn.Module, optimizer) -> dict[str, dict[str, torch.Tensor]]:
     """{name: {key: this rank's part of that parameter's state}}: the per-parameter state PyTorch's
     optimizers keep, cut from whatever layout this strategy steps. A 0-dim value (AdamW's step) is whole
@@ -187,6 +188,7 @@ def make_optimizer_state(model: nn.Module, optimizer, saved: dict[str, dict[str,
                     state[key] = torch.zeros_like(slot.tensor, dtype=dtype)
         if not state:
             del slot.state[slot.tensor]
+# --8<-- [end:optimizer_state]
 
 
 def _jsonable(value):

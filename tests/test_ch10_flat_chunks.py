@@ -1,0 +1,103 @@
+"""Chapter 10: a flat shard as boxes of the original parameters (minifsdp/checkpoint/flat_chunks.py).
+
+No tolerance here: the boxes are exact integer bookkeeping, and the values they carry are copied, not
+computed. A box list is right when, read in order, its boxes cover exactly the elements [start, end) of the
+row-major tensor, each box a contiguous run of them, and when no more boxes are used than the partial
+row / whole rows / partial row cut needs (2 per dimension below the first, plus one).
+"""
+
+import itertools
+import math
+import random
+
+import pytest
+import torch
+
+from minifsdp import launch
+from minifsdp.checkpoint.flat_chunks import boxes, flat_start, sharded_piece
+
+
+def covered(shape, found):
+    """The flat indices each box covers, in the box's own row-major order."""
+    index = torch.arange(math.prod(shape)).view(shape)
+    out = []
+    for offsets, sizes in found:
+        region = index[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))] if shape else index
+        out.append(region.reshape(-1).tolist())
+    return out
+
+
+SHAPES = [(4, 5), (7,), (2, 3, 4), (3, 1, 5, 2), (1, 9), (6, 1), ()]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_boxes_cover_every_range_exactly_and_in_order(shape):
+    numel = math.prod(shape)
+    for start, end in itertools.combinations(range(numel + 1), 2):
+        found = boxes(shape, start, end)
+        runs = covered(shape, found)
+        assert [i for run in runs for i in run] == list(range(start, end)), (shape, start, end, found)
+        for (offsets, _), run in zip(found, runs):  # contiguous, and flat_start says where it begins
+            assert run == list(range(run[0], run[0] + len(run))) and flat_start(shape, offsets) == run[0]
+        assert len(found) <= 2 * max(len(shape) - 1, 0) + 1
+
+
+def test_the_example_in_the_docstring():
+    assert boxes((4, 5), 7, 18) == [((1, 2), (1, 3)), ((2, 0), (1, 5)), ((3, 0), (1, 3))]
+    assert boxes((4, 5), 5, 15) == [((1, 0), (2, 5))]  # whole rows only: one box
+    assert boxes((4, 5), 3, 3) == []
+
+
+def test_random_large_shapes():
+    rng = random.Random(0)
+    for _ in range(200):
+        shape = tuple(rng.randint(1, 6) for _ in range(rng.randint(1, 4)))
+        numel = math.prod(shape)
+        start = rng.randrange(numel)
+        end = rng.randint(start + 1, numel)
+        assert [i for run in covered(shape, boxes(shape, start, end)) for i in run] == list(range(start, end))
+
+
+def pieces_of_a_flat_buffer(shapes):
+    """Each rank's ShardedTensor pieces of tensors laid end to end in a flat buffer, padded to N shards."""
+    import torch.distributed as dist
+
+    n, r = dist.get_world_size(), dist.get_rank()
+    offsets = [sum(math.prod(s) for s in shapes[:i]) for i in range(len(shapes))]
+    shard = -(-sum(math.prod(s) for s in shapes) // n)
+    local = torch.arange(r * shard, (r + 1) * shard, dtype=torch.float32)  # element i holds i
+    out = []
+    for offset, shape in zip(offsets, shapes):
+        piece = sharded_piece(local, r * shard, shard, offset, shape)
+        if shape == ():
+            out.append(None if piece is None else [((), piece.item())])
+            continue
+        everyone = [(tuple(m.shard_offsets), tuple(m.shard_sizes), m.placement.rank())
+                    for m in piece.metadata().shards_metadata]
+        mine = [(tuple(s.metadata.shard_offsets), s.tensor.reshape(-1).tolist()) for s in piece.local_shards()]
+        shares_storage = all(s.tensor.untyped_storage().data_ptr() == local.untyped_storage().data_ptr()
+                             for s in piece.local_shards())
+        out.append((everyone, mine, shares_storage))
+    return out
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_sharded_pieces_are_views_and_tile_each_tensor(n):
+    shapes = [(4, 5), (3,), (2, 3, 4), ()]
+    ranks = launch(pieces_of_a_flat_buffer, world_size=n, args=(shapes,))
+    offsets = [sum(math.prod(s) for s in shapes[:i]) for i in range(len(shapes))]
+    for t, (shape, offset) in enumerate(zip(shapes, offsets)):
+        if shape == ():  # one element, one rank: a plain tensor there
+            holders = [r for r in range(n) if ranks[r][t] is not None]
+            assert len(holders) == 1 and ranks[holders[0]][t][0][1] == offset
+            continue
+        everyone = ranks[0][t][0]
+        assert all(ranks[r][t][0] == everyone for r in range(n))  # every rank describes the same boxes
+        seen = torch.zeros(math.prod(shape), dtype=torch.int64)
+        for r in range(n):
+            assert ranks[r][t][2]  # views into the shard: DCP writes from them and loads into them in place
+            for box_offsets, values in ranks[r][t][1]:
+                begin = flat_start(shape, box_offsets)
+                assert values == [float(offset + begin + i) for i in range(len(values))]
+                seen[begin: begin + len(values)] += 1
+        assert seen.eq(1).all()  # together, the ranks' boxes hold every element exactly once
