@@ -28,6 +28,7 @@ figures:          ## regenerate every figure and table the chapters include
 	$(PY) bench/sweep.py --sizes 1M 3M 10M 30M --world-sizes 1 2 4 --plot chapters/figures/cost_curves.png --markdown chapters/generated/cost_curves.md
 	$(PY) -m minifsdp precision --world-size 2 --markdown chapters/generated/precision.md --plot chapters/figures/precision_loss.png
 	$(PY) -m minifsdp options --world-size 2 --markdown chapters/generated/training_options.md
+	$(PY) -m minifsdp state-dict-memory --world-sizes 2 4 --markdown chapters/generated/state_dict_memory.md
 	$(PY) -m minifsdp checkpoints --world-sizes 1 2 3 4 --markdown chapters/generated/checkpoints.md --plot chapters/figures/reshard.png
 	$(PY) -m minifsdp parity --world-sizes 1 2 3 4 --markdown chapters/generated/parity.md
 	grep -cvE '^\s*(#|$$)' minifsdp/ddp/ddp.py minifsdp/zero/oss.py minifsdp/zero/sdp.py minifsdp/zero/flat.py minifsdp/zero/flat_sdp.py > chapters/generated/loc.txt

@@ -10,6 +10,7 @@
     python -m minifsdp precision [--world-size 2]                           chapter 8: memory and bytes per precision
     python -m minifsdp options [--world-size 2]                             chapter 9: accumulation, checkpointing, init
     python -m minifsdp checkpoints [--world-sizes 1 2 3 4]                  chapter 10: checkpoint size and time
+    python -m minifsdp state-dict-memory [--world-sizes 2 4]                chapter 10: the memory of a full state dict
     python -m minifsdp parity [--world-sizes 1 2 3 4]                       chapter 6: parity of every strategy vs torch
     python -m minifsdp gpu-check [--markdown PATH]                          every strategy on NCCL (GPUs only)
     python -m minifsdp demo [--world-size 3]                                all-reduce = reduce-scatter + all-gather
@@ -90,6 +91,11 @@ def main(argv: list[str] | None = None) -> int:
     ck.add_argument("--markdown", default=None)
     ck.add_argument("--plot", default=None, help="also draw which boxes each rank writes at N and reads at M")
 
+    sdm = sub.add_parser("state-dict-memory", help="chapter 10: peak memory of taking a full state dict, whole model "
+                                                   "at once vs unit by unit, rank0_only, offload_to_cpu")
+    sdm.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
+    sdm.add_argument("--markdown", default=None)
+
     parity = sub.add_parser("parity", help="the parity matrix: every strategy on odd, tied, frozen, unused, BatchNorm, "
                                            "reused and float64 models vs torch's DDP (or FSDP1), at each world size")
     parity.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2, 3, 4])
@@ -144,6 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     elif args.command == "checkpoints":
         from minifsdp.reports.checkpoints import run_checkpoint_report
         run_checkpoint_report(world_sizes=args.world_sizes, markdown=args.markdown, plot=args.plot)
+    elif args.command == "state-dict-memory":
+        from minifsdp.reports.state_dict_memory import report
+        report(world_sizes=args.world_sizes, markdown=args.markdown)
     elif args.command == "parity":
         from minifsdp.reports.parity import run_parity_report
         return run_parity_report(world_sizes=args.world_sizes, markdown=args.markdown)

@@ -125,7 +125,8 @@ def surface_cases(tmp):
     from torch.distributed.fsdp import StateDictType as TorchStateDictType
     from torch.distributed.tensor import DTensor, Shard
 
-    from minifsdp.fsdp import FSDP, FullStateDictConfig, ModuleWrapPolicy, ShardingStrategy, StateDictType
+    from minifsdp.fsdp import (FSDP, FullStateDictConfig, ModuleWrapPolicy, ShardedStateDictConfig, ShardingStrategy,
+                               StateDictType)
 
     rank, world = dist.get_rank(), dist.get_world_size()
     out = {}
@@ -168,7 +169,9 @@ def surface_cases(tmp):
         local = model.state_dict()
         model.load_state_dict({k: v.clone() for k, v in local.items()})
     out["local keys"] = sorted(local)
-    with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+    with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):  # PyTorch's default: ShardedTensors
+        out["sharded default"] = sorted({type(v).__name__ for v in model.state_dict().values()})
+    with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig(_use_dtensor=True)):
         sharded = model.state_dict()
         out["sharded keys"] = sorted(sharded)
         out["sharded placements"] = {k: (type(v).__name__, tuple(v.placements), tuple(v.to_local().shape))
@@ -307,6 +310,7 @@ def test_state_dict_types(ranks, n):
         # the flat shards under nn.Module's own names: one per unit here (no buffers, nothing frozen)
         assert res["local keys"] == ["flat_param_0", "module.blocks.0.flat_param_0", "module.blocks.1.flat_param_0"]
         assert res["sharded keys"] == res["plain keys"] and res["sharded is DTensor"]
+        assert res["sharded default"] == ["ShardedTensor"]
         assert res["sharded whole"] == 0.0 and res["after sharded load"] == 0.0
         # Shard(0) of each original parameter: rank r holds rows chunk r of 13 (5, 4, 4 at N = 3)
         rows = list(torch.arange(13).chunk(n))[r].numel()

@@ -33,6 +33,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import StorageMeta, TensorStorageMetadata
 
 from minifsdp.checkpoint import state as held
@@ -62,7 +63,8 @@ def save(path, model: nn.Module, optimizer=None, *, step: int | None = None, ext
              "meta": _encode({"format": FORMAT, "strategy": held.strategy_of(model, optimizer),
                               "world_size": dist.get_world_size() if dist.is_initialized() else 1,
                               "step": step, "extra": extra, "optimizer": _optimizer_class(optimizer),
-                              "param_groups": optimizer and held.param_groups(model, optimizer)}),
+                              "param_groups": optimizer and held.param_groups(model, optimizer),
+                              "buckets": held.bucket_order(model)}),
              "rng": {f"rank{rank}": _rng_state()}}
     if optimizer is not None:
         state["optim"] = {"state": held.optimizer_state(model, optimizer)}
@@ -109,15 +111,18 @@ def load(path, model: nn.Module, optimizer=None, *, strict: bool = True) -> dict
     if pickled:  # DCP would unpickle these with torch.load(weights_only=False); minifsdp never writes any
         raise RuntimeError(f"checkpoint.load: {pickled} are pickled objects, not tensors: refusing to load them")
     meta = _load_meta(found, saved)
-    missing, unexpected = check(saved, meta, model, optimizer, strict)
+    with _quiet():
+        missing, unexpected = check(saved, meta, model, optimizer, strict)
     rank = dist.get_rank() if dist.is_initialized() else 0
     if optimizer is not None:  # a fresh optimizer has no state yet: make room for what will be loaded
         held.make_optimizer_state(model, optimizer, _optimizer_entries(saved))
     dest = {"model": {k: v for k, v in held.model_state(model).items() if ("model", k) in saved}}
     if optimizer is not None:
-        dest["optim"] = {"state": {name: {key: v for key, v in keys.items()
-                                          if ("optim", "state", name, key) in saved}
-                                   for name, keys in held.optimizer_state(model, optimizer).items()}}
+        mine = {name: {key: v for key, v in keys.items() if ("optim", "state", name, key) in saved}
+                for name, keys in held.optimizer_state(model, optimizer).items()}
+        mine = {name: keys for name, keys in mine.items() if keys}  # (strict=False: none saved for some)
+        if mine:  # an empty dict would reach DCP as a value of its own, which the checkpoint lacks
+            dest["optim"] = {"state": mine}
     rng = {k[2]: torch.empty(md.size, dtype=md.properties.dtype) for k, md in saved.items()
            if k[:2] == ("rng", f"rank{rank}")}
     if rng:
@@ -127,6 +132,7 @@ def load(path, model: nn.Module, optimizer=None, *, strict: bool = True) -> dict
     if optimizer is not None and meta["param_groups"]:
         held.load_param_groups(model, optimizer, meta["param_groups"])
     _set_rng_state(rng)
+    held.set_bucket_order(model, meta.get("buckets"))
     return {"step": meta["step"], "extra": meta["extra"], "strategy": meta["strategy"],
             "world_size": meta["world_size"], "path": found, "missing_keys": missing,
             "unexpected_keys": unexpected}
@@ -280,7 +286,12 @@ def _barrier() -> None:
 @contextlib.contextmanager
 def _quiet():
     """torch marks ShardedTensor (flat_chunks.py's pieces) deprecated in favour of DTensor, which cannot
-    describe a flat shard's pieces; the warning says nothing the user can act on."""
+    describe a flat shard's pieces; the warning says nothing the user can act on. And DCP's own error,
+    CheckpointException, derives from BaseException, which `except Exception` does not catch: it is raised
+    again as a RuntimeError, with DCP's message."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*ShardedTensor.*")
-        yield
+        try:
+            yield
+        except CheckpointException as e:
+            raise RuntimeError(f"torch.distributed.checkpoint failed: {e}") from e

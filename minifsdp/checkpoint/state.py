@@ -30,7 +30,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from minifsdp.checkpoint.flat_chunks import sharded_piece
 from minifsdp.ddp.ddp import DistributedDataParallel
 from minifsdp.fsdp.fsdp import FullyShardedDataParallel
-from minifsdp.fsdp.state_dict import _plain_tensors
+from minifsdp.fsdp.state_dict import original_names, sharded_pieces
 from minifsdp.fsdp.wrap import names_without_wrappers
 from minifsdp.zero.flat import FlatOSS
 from minifsdp.zero.oss import OSS
@@ -82,48 +82,22 @@ def _flat_pieces(names, shapes, offsets, start: int, chunk: int, group, sharded:
     return [(name, piece(shape, offset)) for name, shape, offset in zip(names, shapes, offsets)]
 
 
-# --8<-- [start:fsdp_names]
-def _fsdp_units(root: FullyShardedDataParallel):
-    """For every FlatParameter: the name of each original parameter it holds (the first of its names, if
-    tied), and every (name, index of the original) it is reachable under, as nn.Module.state_dict()
-    lists them."""
-    names = {id(m): prefix for prefix, m in names_without_wrappers(root.module)}
-    order = {id(m): i for i, (_, m) in enumerate(names_without_wrappers(root.module))}
-    out = []
-    for unit in root.units():
-        for flat in unit.flat_params:
-            every = [(names[id(module)] + name, i) for (module, name), i in zip(flat.places, flat.index)]
-            first = {}
-            for ((module, name), i) in sorted(zip(flat.places, flat.index), key=lambda x: order[id(x[0][0])]):
-                first.setdefault(i, names[id(module)] + name)
-            out.append((flat, [first[i] for i in range(len(flat.shapes))], every))
-    return out
-# --8<-- [end:fsdp_names]
 
 
 def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter and persistent buffer, by its unwrapped name, as views into what this rank holds."""
-    if not isinstance(model, FullyShardedDataParallel):
-        return dict(unwrapped(model).state_dict())  # detached views; DTensors under fully_shard
-    out = {}
-    for prefix, m in names_without_wrappers(model.module):  # buffers and parameters no unit flattened
-        for name, t in _plain_tensors(m):
-            out[prefix + name] = t.detach()
-    for flat, first, every in _fsdp_units(model):
-        pieces = dict(_flat_pieces(first, flat.shapes, flat.offsets, flat.rank * flat.shard_numel,
-                                   flat.shard_numel, flat.group, flat.sharded))
-        made = [pieces[name](flat.param.detach()) for name in first]
-        for name, i in every:  # a tied parameter, under each of its names (state_dict lists them all)
-            if made[i] is not None:
-                out[name] = made[i]
-    return out
+    """Every parameter and persistent buffer, by its unwrapped name, as views into what this rank holds:
+    FSDP's SHARDED_STATE_DICT (pieces of the flat shards, fsdp/state_dict.py); the model's own state dict
+    otherwise (DTensors under fully_shard)."""
+    if isinstance(model, FullyShardedDataParallel):
+        return sharded_pieces(model)
+    return dict(unwrapped(model).state_dict())
 
 
 def slots(model: nn.Module, optimizer) -> list[Slot]:
     """What `optimizer` steps on this rank, each with the original parameters it holds part of."""
     kind = strategy_of(model, optimizer)
     if kind == "fsdp":
-        by_flat = {id(flat.param): (flat, first) for flat, first, _ in _fsdp_units(model)}
+        by_flat = {id(flat.param): (flat, first) for flat, first, _ in original_names(model)}
         plain = {}  # the parameters no unit flattened (ignored_modules'), stepped whole
         for prefix, m in names_without_wrappers(model.module):
             plain.update({id(p): prefix + name for name, p in m._parameters.items() if p is not None})
@@ -227,3 +201,25 @@ def load_param_groups(model: nn.Module, optimizer, saved: list[dict]) -> None:
                 group[k].fill_(v)
             else:
                 group[k] = tuple(v) if isinstance(group[k], tuple) else v
+
+
+# -- DDP's buckets: part of what the next step computes ------------------------------------------------------------
+def bucket_order(model: nn.Module) -> list[list[str]] | None:
+    """minifsdp DDP's buckets, by parameter name, once rebuilt in the order gradients arrived (chapter 1).
+    They group the sums of the all-reduce, and at N >= 3 the grouping changes the last bit of the sums: a
+    resumed run that started again from the first guess would not continue bit for bit."""
+    if not isinstance(model, DistributedDataParallel) or not model.rebuild_buckets or not model._rebuilt:
+        return None
+    names = {id(p): n for n, p in model.module.named_parameters()}
+    return [[names[id(p)] for p in b.params] for b in model._buckets]
+
+
+def set_bucket_order(model: nn.Module, saved: list[list[str]] | None) -> None:
+    """Use the saved buckets if this is a DDP that has not rebuilt its own and they hold its parameters."""
+    if not saved or not isinstance(model, DistributedDataParallel) or not model.rebuild_buckets or model._rebuilt:
+        return
+    params = dict(model.module.named_parameters())
+    if sorted(n for group in saved for n in group) != sorted(n for n, p in params.items() if p.requires_grad):
+        return  # another model or other trainable parameters: let it rebuild from what it sees
+    model._set_buckets([[params[n] for n in group] for group in saved])
+    model._arrivals, model._rebuilt = [], True

@@ -6,7 +6,8 @@ only its import changed:
     model = FSDP(net, sharding_strategy=ShardingStrategy.SHARD_GRAD_OP, ignored_modules=[net.head])
     torch.save(model.state_dict(), "model.pt")               # full, with the original names: loads into `net`
     with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
-        shards = model.state_dict()                           # DTensors, Shard(0) of each original parameter
+        shards = model.state_dict()                           # ShardedTensors: what each rank's shard holds
+    osd = FSDP.optim_state_dict(model, optimizer)             # full, by original name (optim_state_dict.py)
     with FSDP.summon_full_params(model, writeback=False):
         ...
 
@@ -26,7 +27,7 @@ import torch
 import torch.nn as nn
 
 from minifsdp.distributed import comm
-from minifsdp.fsdp import state_dict as full
+from minifsdp.fsdp import state_dict as state_dicts
 from minifsdp.fsdp.flat_param import sync_all_gathers
 from minifsdp.fsdp.wrap import is_unit
 
@@ -43,7 +44,7 @@ class ShardingStrategy(enum.Enum):
 class StateDictType(enum.Enum):
     FULL_STATE_DICT = enum.auto()     # original names, full tensors (the default, as in PyTorch)
     LOCAL_STATE_DICT = enum.auto()    # the flat shards themselves, as nn.Module would save them
-    SHARDED_STATE_DICT = enum.auto()  # original names, DTensors: each rank's Shard(0) of each parameter
+    SHARDED_STATE_DICT = enum.auto()  # original names, ShardedTensors: the pieces this rank's shards hold
 
 
 @dataclasses.dataclass
@@ -60,8 +61,19 @@ class LocalStateDictConfig(StateDictConfig):
     pass
 
 
+@dataclasses.dataclass
 class ShardedStateDictConfig(StateDictConfig):
-    pass
+    _use_dtensor: bool = False  # PyTorch's name: DTensors, Shard(0) of each parameter, instead of ShardedTensors
+
+
+@dataclasses.dataclass
+class OptimStateDictConfig:
+    offload_to_cpu: bool = True  # PyTorch's default for optimizer state: it is twice the parameters (Adam)
+
+
+@dataclasses.dataclass
+class FullOptimStateDictConfig(OptimStateDictConfig):
+    rank0_only: bool = False  # only rank 0 keeps the optimizer state dict (and sends it, when loading)
 
 
 def by_name(value, enum_cls, argument: str):
@@ -216,35 +228,48 @@ def _show_copies(flat, offload_to_cpu: bool, full_grad) -> list[tuple[torch.Tens
 
 # -- state dicts ------------------------------------------------------------------------------------------------
 @contextlib.contextmanager
-def state_dict_type(module: nn.Module, state_dict_type, state_dict_config: StateDictConfig | None = None):
-    """Inside the block, model.state_dict() and load_state_dict() use this type, for every unit in `module`."""
+def state_dict_type(module: nn.Module, state_dict_type, state_dict_config: StateDictConfig | None = None,
+                    optim_state_dict_config: OptimStateDictConfig | None = None):
+    """Inside the block, model.state_dict(), load_state_dict() and FSDP.optim_state_dict() use this type,
+    for every unit in `module`. (PyTorch's config classes are accepted too: their fields are read by name.)"""
     kind = by_name(state_dict_type, StateDictType, "state_dict_type")
-    config = state_dict_config or (FullStateDictConfig() if kind is StateDictType.FULL_STATE_DICT
-                                   else StateDictConfig())
+    defaults = {StateDictType.FULL_STATE_DICT: FullStateDictConfig, StateDictType.LOCAL_STATE_DICT:
+                LocalStateDictConfig, StateDictType.SHARDED_STATE_DICT: ShardedStateDictConfig}
+    config = state_dict_config or defaults[kind]()
+    optim_config = optim_state_dict_config or (FullOptimStateDictConfig() if kind is StateDictType.FULL_STATE_DICT
+                                               else OptimStateDictConfig())
     units = fsdp_modules(module)
-    before = [(u._state_dict_type, u._state_dict_config) for u in units]
+    before = [(u._state_dict_type, u._state_dict_config, optim_config_of(u)) for u in units]
     for u in units:
-        u._state_dict_type, u._state_dict_config = kind, config
+        u._state_dict_type, u._state_dict_config, u._optim_state_dict_config = kind, config, optim_config
     try:
         yield
     finally:
-        for u, (k, c) in zip(units, before):
-            u._state_dict_type, u._state_dict_config = k, c
+        for u, (k, c, o) in zip(units, before):
+            u._state_dict_type, u._state_dict_config, u._optim_state_dict_config = k, c, o
+
+
+def optim_config_of(unit) -> OptimStateDictConfig:
+    """The optimizer state dict config state_dict_type() set (PyTorch's default outside it)."""
+    return getattr(unit, "_optim_state_dict_config", None) or FullOptimStateDictConfig()
 
 
 def state_dict(unit, destination=None, prefix: str = "", keep_vars: bool = False):
     """The unit's state dict of its current type (FULL by default, as in PyTorch), under `prefix`."""
     kind, config = unit._state_dict_type, unit._state_dict_config
-    if kind is StateDictType.LOCAL_STATE_DICT:
-        out = nn.Module.state_dict(unit, prefix=prefix, keep_vars=keep_vars)
-    elif kind is StateDictType.SHARDED_STATE_DICT:
-        out = {prefix + k: v for k, v in _sharded(unit).items()}
+    if kind is StateDictType.FULL_STATE_DICT:  # offload and rank0_only act as each unit is gathered
+        out = state_dicts.full_state_dict(unit, offload_to_cpu=config.offload_to_cpu,
+                                          rank0_only=getattr(config, "rank0_only", False))
+        out = {prefix + k: v for k, v in out.items()}
     else:
-        out = {prefix + k: v for k, v in full.full_state_dict(unit).items()}
-        if getattr(config, "rank0_only", False) and comm.rank() != 0:
-            out = {}
-    if config.offload_to_cpu:
-        out = {k: v.cpu() for k, v in out.items()}
+        if kind is StateDictType.LOCAL_STATE_DICT:
+            out = nn.Module.state_dict(unit, prefix=prefix, keep_vars=keep_vars)
+        elif getattr(config, "_use_dtensor", False):
+            out = {prefix + k: v for k, v in state_dicts.sharded_dtensors(unit).items()}
+        else:
+            out = {prefix + k: v for k, v in state_dicts.sharded_pieces(unit).items()}
+        if config.offload_to_cpu:
+            out = {k: v.cpu() for k, v in out.items()}
     if destination is None:
         return out
     destination.update(out)
@@ -256,30 +281,12 @@ def load_state_dict(unit, state_dict_: dict, strict: bool = True):
     kind = unit._state_dict_type
     if kind is StateDictType.LOCAL_STATE_DICT:
         return nn.Module.load_state_dict(unit, state_dict_, strict)
-    if kind is StateDictType.SHARDED_STATE_DICT:  # gather each parameter whole, then load it as a full one
+    if kind is StateDictType.SHARDED_STATE_DICT:
+        if not any(hasattr(v, "full_tensor") for v in state_dict_.values()):
+            return state_dicts.load_sharded_pieces(unit, state_dict_, strict)
+        # DTensors (_use_dtensor=True): gather each parameter whole, then load it as a full one
         state_dict_ = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in state_dict_.items()}
-    return full.load_full_state_dict(unit, state_dict_, strict)
-
-
-def _sharded(unit) -> dict[str, torch.Tensor]:
-    """Original names -> DTensors holding this rank's Shard(0) of each tensor (a 0-dim one is Replicated).
-    Each unit is gathered whole and cut again along dim 0, as PyTorch FSDP1 does: the flat shards cut
-    through parameters, while a DTensor shards each parameter by itself (chapter 10 saves these)."""
-    from torch.distributed.tensor import DeviceMesh, DTensor, Replicate, Shard
-
-    group = unit.process_group or torch.distributed.group.WORLD
-    mesh = DeviceMesh.from_group(group, unit.device.type)
-    n, r = comm.world_size(unit.process_group), comm.rank(unit.process_group)
-    out = {}
-    for name, t in full.full_state_dict(unit).items():
-        if t.dim() == 0:
-            out[name] = DTensor.from_local(t, mesh, [Replicate()], run_check=False)
-            continue
-        chunks = list(t.chunk(n, dim=0))
-        local = chunks[r] if r < len(chunks) else t.new_empty((0,) + tuple(t.shape[1:]))
-        out[name] = DTensor.from_local(local.clone(), mesh, [Shard(0)], run_check=False,
-                                       shape=t.shape, stride=t.stride())
-    return out
+    return state_dicts.load_full_state_dict(unit, state_dict_, strict)
 
 
 # -- an optimizer built before wrapping -----------------------------------------------------------------------------

@@ -38,8 +38,9 @@ rank that computes a loss.
 
 The files of the package: flat_param.py (chapter 5: one unit's parameters as a sharded flat tensor),
 wrap.py (which modules become units), this runtime (chapter 6), prefetch.py (chapter 7), training.py
-(chapter 9: no_sync, clipping, deferred init), state_dict.py (full state dicts). Measurement is not
-called from here: the runtime announces compute spans as events (minifsdp/events.py).
+(chapter 9: no_sync, clipping, deferred init), state_dict.py and optim_state_dict.py (state dicts, of the
+model and of its optimizer). Measurement is not called from here: the runtime announces compute spans as
+events (minifsdp/events.py).
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ from minifsdp.ddp.ddp import require_module
 from minifsdp.distributed import comm
 from minifsdp.distributed.launch import current_device
 from minifsdp.fsdp import api, state_dict, training
+from minifsdp.fsdp import optim_state_dict as optim_state
 from minifsdp.fsdp.flat_param import FlatParameter, sync_all_gathers
 from minifsdp.fsdp.prefetch import AllGatherLimiter, BackwardPrefetch, ExecutionOrder
 from minifsdp.fsdp.wrap import (as_policy, modules_not_in_units, move_own_tensors, named_modules_not_in_units,
@@ -381,6 +383,9 @@ class FullyShardedDataParallel(nn.Module):
     summon_full_params = api.static_or_bound(api.summon_full_params)
     state_dict_type = staticmethod(api.state_dict_type)
     fsdp_modules = staticmethod(api.fsdp_modules)
+    # PyTorch's: FSDP.optim_state_dict(model, optim) -> by original name; FSDP.optim_state_dict_to_load(...)
+    optim_state_dict = staticmethod(optim_state.optim_state_dict)
+    optim_state_dict_to_load = staticmethod(optim_state.optim_state_dict_to_load)
 
     def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
         """Full, with the names the model had before wrapping (PyTorch's default); see state_dict_type()."""

@@ -19,7 +19,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
 from minifsdp import checkpoint
@@ -31,7 +30,7 @@ from minifsdp.train import STRATEGIES, batch, build_model, loss_of
 
 CONFIG = GPTConfig(n_layer=4, n_embd=64, vocab_size=256, tie_weights=False)
 STRATEGY_NAMES = ("ddp", "oss", "sdp", "oss_flat", "sdp_flat", "fsdp")
-REPEATS = 3
+REPEATS = 5
 
 
 def _timed(fn) -> float:
