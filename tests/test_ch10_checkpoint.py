@@ -498,3 +498,41 @@ def test_metadata_that_runs_code_is_refused(root, runs, tmp_path, where):
     with pytest.raises(pickle.UnpicklingError, match="system"):
         checkpoint.load(evil, build_model("gpt", seed=0))
     assert not marker.exists()
+
+
+# -- FSDP under any wrapping: units are a layout, not part of the checkpoint ---------------------------------------
+WRAPPINGS = ("one unit", "per block", "by size")
+
+
+def fsdp_wrapped(wrapping):
+    from minifsdp.fsdp import FullyShardedDataParallel, ModuleWrapPolicy, SizeBasedWrapPolicy
+    from minifsdp.models import Block
+
+    policy = {"one unit": None, "per block": ModuleWrapPolicy({Block}),
+              "by size": SizeBasedWrapPolicy(min_num_params=4000)}[wrapping]
+    model = FullyShardedDataParallel(build_model("gpt", seed=0), auto_wrap_policy=policy)
+    return model, torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+
+
+def save_wrapped(path, wrapping):
+    model, opt = fsdp_wrapped(wrapping)
+    train_steps(model, opt, 0, START)
+    checkpoint.save(path, model, opt)
+    return len(model.units())
+
+
+def load_and_save_again(path, wrapping, again):
+    """Load into another wrapping at another world size, and save at once: a load then a save is the identity."""
+    model, opt = fsdp_wrapped(wrapping)
+    checkpoint.load(path, model, opt)
+    checkpoint.save(again, model, opt)
+    return len(model.units())
+
+
+@pytest.mark.parametrize("src, dst", [("one unit", "per block"), ("per block", "by size"), ("by size", "one unit")])
+def test_fsdp_checkpoints_load_across_wrappings(tmp_path, src, dst):
+    units = launch(save_wrapped, world_size=2, args=(tmp_path / "a", src))[0]
+    units_after = launch(load_and_save_again, world_size=3, args=(tmp_path / "a", dst, tmp_path / "b"))[0]
+    assert units != units_after  # the layouts differ: other units, other shards
+    a, b = plain(tmp_path / "a"), plain(tmp_path / "b")
+    assert identical(a["model"], b["model"]) and identical(a["optim"], b["optim"])
