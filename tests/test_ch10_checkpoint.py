@@ -536,3 +536,28 @@ def test_fsdp_checkpoints_load_across_wrappings(tmp_path, src, dst):
     assert units != units_after  # the layouts differ: other units, other shards
     a, b = plain(tmp_path / "a"), plain(tmp_path / "b")
     assert identical(a["model"], b["model"]) and identical(a["optim"], b["optim"])
+
+
+# -- every N -> M: a load, then a save, gives back the same checkpoint ---------------------------------------------
+def load_each_and_save_again(root, config, optim, sources):
+    """Load each source world size's START checkpoint at this world size and save it again at once."""
+    m = dist.get_world_size()
+    for n in sources:
+        model, opt = build(config, optim)
+        checkpoint.load(run_dir(root, config, optim, n) / f"step_{START:08d}", model, opt)
+        checkpoint.save(Path(root) / f"again-{config}-{optim}-n{n}-m{m}", model, opt)
+
+
+@pytest.fixture(scope="module")
+def saved_again(root, runs):
+    for m in (1, 2, 3, 4):
+        launch(load_each_and_save_again, world_size=m, device="cpu", args=(root, "fsdp", "adamw", (1, 2, 3, 4)))
+    return root
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
+def test_every_world_size_loads_every_other_exactly(saved_again, n, m):
+    before = plain(run_dir(saved_again, "fsdp", "adamw", n) / f"step_{START:08d}")
+    after = plain(Path(saved_again) / f"again-fsdp-adamw-n{n}-m{m}")
+    assert identical(before["model"], after["model"]) and identical(before["optim"], after["optim"])
