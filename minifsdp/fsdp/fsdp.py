@@ -45,8 +45,6 @@ events (minifsdp/events.py).
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_leaves
@@ -108,11 +106,6 @@ class FullyShardedDataParallel(nn.Module):
         shard, reshard_after_forward = api.resolve_sharding(sharding_strategy, reshard_after_forward)
         process_group = api.resolve_group(process_group, device_mesh, use_orig_params, ignored_states)
         comm.require_process_group()
-        if shard and comm.world_size(process_group) == 1:  # as PyTorch's FSDP: one rank has nothing to shard
-            warnings.warn(f"FullyShardedDataParallel runs NO_SHARD instead of "
-                          f"{'FULL_SHARD' if reshard_after_forward else 'SHARD_GRAD_OP'}: the world size is 1, so "
-                          f"there is nothing to shard, and all-gathering a unit from itself would only copy it")
-            shard = False
         require_module(module, "FullyShardedDataParallel")  # (units nested inside are allowed, unlike DDP)
         if isinstance(module, FullyShardedDataParallel) or getattr(module, "_fsdp_wrapped", False):
             raise ValueError(f"{type(module).__name__} is already wrapped in FullyShardedDataParallel; "
