@@ -1,0 +1,346 @@
+"""Chapter 11: fully_shard, PyTorch FSDP2's API, on per-parameter DTensors (param.py).
+
+    from minifsdp.fsdp2 import fully_shard, MixedPrecisionPolicy
+    for block in model.blocks:
+        fully_shard(block)                   # each block: one all-gather, one reduce-scatter
+    fully_shard(model)                       # the root: what no block holds (embeddings, the head)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)   # DTensors, with their own names
+    loss = model(x, y); loss.backward(); optimizer.step()
+
+fully_shard(module) shards the module's parameters (those no inner fully_shard took), swaps the module's
+class for one that also derives from FSDPModule (unshard, reshard, the prefetch lists, ...), and adds four
+hooks. Chapter 6's runtime, with the same idea at each of them:
+
+    pre-forward    unshard (all-gather; copy-out), then start the all-gathers of the modules listed with
+                   set_modules_to_forward_prefetch; the root (the outermost, found at the first forward)
+                   also starts the step's bookkeeping
+    post-forward   reshard, unless reshard_after_forward=False or this is the root (the root's parameters are
+                   the first backward needs); a hook on each output runs pre-backward when its gradient comes
+    pre-backward   unshard again, and start the all-gather of the module that ran forward just before this
+                   one, which backward needs next (or those listed with set_modules_to_backward_prefetch)
+    post-backward  once the gradients of the module's inputs are computed (an autograd function wraps the
+                   inputs), all of its parameters' gradients are in: reduce-scatter them, reshard. A module
+                   whose inputs need no gradient (the root: token ids) is finished by the root's callback at
+                   the end of backward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn as nn
+from torch.utils._pytree import tree_map
+
+from minifsdp.distributed import comm
+from minifsdp.fsdp2.param import FSDPParam, FSDPParamGroup
+
+
+@dataclasses.dataclass(frozen=True)
+class MixedPrecisionPolicy:
+    """As torch.distributed.fsdp's: the dtype of the unsharded parameters (and of the all-gather), of the
+    reduce-scatter, of the module's outputs; cast_forward_inputs casts floating inputs to param_dtype."""
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    output_dtype: torch.dtype | None = None
+    cast_forward_inputs: bool = True
+
+
+@dataclasses.dataclass
+class OffloadPolicy:
+    """No offloading (torch's default)."""
+
+
+@dataclasses.dataclass
+class CPUOffloadPolicy(OffloadPolicy):
+    """Sharded parameters, gradients and optimizer state in host memory (on a CPU run: where they are)."""
+    pin_memory: bool = True
+
+
+class UnshardHandle:
+    """What unshard(async_op=True) returns: wait() finishes the all-gather and the copy-out."""
+
+    def __init__(self, group: FSDPParamGroup):
+        self._group = group
+
+    def wait(self) -> None:
+        self._group.wait_for_unshard()
+
+
+class _PostBackward(torch.autograd.Function):
+    """Wraps a module's inputs: its backward runs once their gradients are computed, that is once the
+    module's own backward is done, and all of its parameters' gradients are in."""
+
+    @staticmethod
+    def forward(ctx, state, *inputs):
+        ctx.state = state
+        return inputs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.state.post_backward()
+        return (None,) + grads
+
+
+class _State:
+    """What fully_shard adds to one module: its parameter group, its options, its place in the step."""
+
+    def __init__(self, module: nn.Module, group: FSDPParamGroup, reshard_after_forward: bool,
+                 mp: MixedPrecisionPolicy):
+        self.module, self.group, self.mp = module, group, mp
+        self.reshard_after_forward = reshard_after_forward
+        self.forward_prefetch, self.backward_prefetch = [], None  # None: implicit (the previous in forward)
+        self.requires_gradient_sync, self.reshard_after_backward = True, True
+        self.root = None          # the root's state, set at the first forward
+        self.order = []           # (root only) the states in the order their forwards ran, this step
+        self.callback_queued, self.is_last_backward = False, True
+        self.backward_started = self.backward_done = False
+
+    # --8<-- [start:hooks]
+    def pre_forward(self, module, args, kwargs):
+        if self.root is None:
+            self._lazy_init()
+        if self.root is self and torch.is_grad_enabled():
+            self.order.clear()  # a new step
+            for s in self.subtree:
+                s.backward_started = s.backward_done = False
+        self.group.unshard()
+        self.group.wait_for_unshard()
+        for m in self.forward_prefetch:
+            m._fsdp.group.unshard(async_op=True)
+        if self.mp.param_dtype is not None and self.mp.cast_forward_inputs:
+            args, kwargs = tree_map(lambda t: _cast(t, self.mp.param_dtype), (args, kwargs))
+        if torch.is_grad_enabled():
+            self.root.order.append(self)
+            args, kwargs = _wrap_inputs(self, args, kwargs)
+        return args, kwargs
+
+    def post_forward(self, module, args, output):
+        if self.reshard_after_forward and self.root is not self:
+            self.group.reshard()
+        if self.mp.output_dtype is not None:
+            output = tree_map(lambda t: _cast(t, self.mp.output_dtype), output)
+        if torch.is_grad_enabled():
+            for t in _tensors(output):
+                if t.requires_grad:
+                    t.register_hook(self._pre_backward_hook)
+        return output
+
+    def _pre_backward_hook(self, grad):
+        self.pre_backward()
+        return grad
+
+    def pre_backward(self) -> None:
+        if self.backward_started:
+            return
+        self.backward_started = True
+        if not self.root.callback_queued:  # once per backward: the root's end-of-backward callback
+            torch.autograd.Variable._execution_engine.queue_callback(self.root._end_of_backward)
+            self.root.callback_queued = True
+        self.group.unshard()
+        self.group.wait_for_unshard()
+        for s in self._backward_prefetch_targets():
+            s.group.unshard(async_op=True)
+
+    def _backward_prefetch_targets(self) -> list["_State"]:
+        if self.backward_prefetch is not None:
+            return [m._fsdp for m in self.backward_prefetch]
+        order = self.root.order
+        i = max((k for k, s in enumerate(order) if s is self), default=0)  # (a module run twice: its last)
+        return [order[i - 1]] if i > 0 else []  # the module that ran forward just before: backward's next
+
+    def post_backward(self) -> None:
+        if self.backward_done:
+            return
+        self.backward_done = True
+        if self.requires_gradient_sync:
+            for p in self.group.params:  # what no_sync-style accumulation kept is added in first
+                if p.accumulated is not None and p.unsharded is not None:
+                    p.unsharded.grad = p.accumulated if p.unsharded.grad is None else p.unsharded.grad + p.accumulated
+                    p.accumulated = None
+            self.group.reduce_scatter_grads()
+        else:  # set_requires_gradient_sync(False): keep adding up the unsharded gradients, send nothing
+            for p in self.group.params:
+                if p.unsharded is not None and p.unsharded.grad is not None:
+                    p.accumulated = p.unsharded.grad if p.accumulated is None else p.accumulated + p.unsharded.grad
+                    p.unsharded.grad = None
+        if self.reshard_after_backward:
+            self.group.reshard()
+
+    def _end_of_backward(self) -> None:
+        """The root's callback: finish every module whose post-backward did not run (its inputs needed no
+        gradient, or it was not used), and make sure every parameter is sharded again."""
+        for s in reversed(self.order):
+            if s.backward_started or s.group.is_unsharded:
+                s.post_backward()
+        for s in self.subtree:
+            if s.reshard_after_backward:
+                s.group.reshard()
+        self.callback_queued = False
+    # --8<-- [end:hooks]
+
+    def _lazy_init(self) -> None:
+        """At the first forward: this module is the root of every fully_shard module under it."""
+        self.subtree = [m._fsdp for m in self.module.modules() if isinstance(m, FSDPModule)]
+        for s in self.subtree:
+            if s.root is not None:
+                raise RuntimeError(f"fully_shard: {type(s.module).__name__} ran forward under two roots; "
+                                   f"call the outermost module")
+            s.root = self
+            for p in s.group.params:  # parameters replaced since fully_shard (to_empty after a meta build)
+                p.refresh_sharded()
+
+
+def _cast(t, dtype):
+    return t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+
+
+def _tensors(tree) -> list[torch.Tensor]:
+    out = []
+    tree_map(lambda t: out.append(t) if isinstance(t, torch.Tensor) else None, tree)
+    return out
+
+
+def _wrap_inputs(state: _State, args, kwargs):
+    """Route the module's floating inputs that need a gradient through _PostBackward."""
+    flat = [t for t in _tensors((args, kwargs)) if t.requires_grad]
+    if not flat:
+        return args, kwargs
+    wrapped = dict(zip(map(id, flat), _PostBackward.apply(state, *flat)))
+    return tree_map(lambda t: wrapped.get(id(t), t) if isinstance(t, torch.Tensor) else t, (args, kwargs))
+
+
+# --8<-- [start:module]
+class FSDPModule:
+    """Mixed into the class of every module fully_shard has been applied to (PyTorch's FSDPModule)."""
+
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
+        """All-gather this module's parameters now (e.g. before its forward, to overlap with other work)."""
+        if self._fsdp.root is None:  # before the first forward: take up parameters replaced since (to_empty)
+            for p in self._fsdp.group.params:
+                p.refresh_sharded()
+        self._fsdp.group.unshard(async_op=async_op)
+        return UnshardHandle(self._fsdp.group) if async_op else None
+
+    def reshard(self) -> None:
+        self._fsdp.group.reshard()
+
+    def set_modules_to_forward_prefetch(self, modules: list["FSDPModule"]) -> None:
+        """In this module's pre-forward, also start these modules' all-gathers (explicit forward prefetch)."""
+        self._fsdp.forward_prefetch = list(modules)
+
+    def set_modules_to_backward_prefetch(self, modules: list["FSDPModule"]) -> None:
+        """In this module's pre-backward, start these modules' all-gathers instead of the implicit one."""
+        self._fsdp.backward_prefetch = list(modules)
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """False: backward adds up the unsharded gradients and sends nothing (gradient accumulation)."""
+        for m in (self.modules() if recurse else [self]):
+            if isinstance(m, FSDPModule):
+                m._fsdp.requires_gradient_sync = requires_gradient_sync
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        for m in (self.modules() if recurse else [self]):
+            if isinstance(m, FSDPModule):
+                m._fsdp.reshard_after_backward = reshard_after_backward
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
+        for m in (self.modules() if recurse else [self]):
+            if isinstance(m, FSDPModule):
+                m._fsdp.reshard_after_forward = reshard_after_forward
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """Kept for scripts written for torch: its collectives here are waited for in backward anyway."""
+        self._fsdp.is_last_backward = is_last_backward
+# --8<-- [end:module]
+
+
+_classes: dict[type, type] = {}
+
+
+# --8<-- [start:fully_shard]
+def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool = True,
+                mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+                offload_policy: OffloadPolicy = OffloadPolicy()) -> nn.Module:
+    """Shard `module`'s parameters (those no inner fully_shard took) as DTensors over `mesh` (default: every
+    rank), and gather and reduce them together around its forward and backward. Returns `module`."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"fully_shard takes an nn.Module, got {type(module).__name__}")
+    if isinstance(module, FSDPModule):
+        raise ValueError(f"fully_shard was already applied to this {type(module).__name__}")
+    if not isinstance(mp_policy, MixedPrecisionPolicy) or not isinstance(offload_policy, OffloadPolicy):
+        raise TypeError("mp_policy must be a MixedPrecisionPolicy and offload_policy an OffloadPolicy "
+                        "(from minifsdp.fsdp2)")
+    comm.require_process_group()
+    mesh = mesh or _world_mesh()
+    if mesh.ndim not in (1, 2):
+        raise ValueError(f"fully_shard takes a 1-D mesh (shard) or a 2-D one (replicate, shard), got {mesh.ndim}-D")
+    group = mesh.get_group(mesh.ndim - 1)  # shard over the last dimension...
+    across = mesh.get_group(0) if mesh.ndim == 2 else None  # ...and, on a 2-D mesh, replicate over the first
+    taken = {id(p.sharded) for m in module.modules() if isinstance(m, FSDPModule) for p in m._fsdp.group.params}
+    places = {}  # id of an original parameter -> its (module, name) places: a tied one has several
+    for m in _post_order(module):
+        for name, p in m._parameters.items():
+            if p is not None and id(p) not in taken:  # (an inner fully_shard's parameters are its own)
+                places.setdefault(id(p), []).append((m, name))
+    params = [FSDPParam(where, mesh, comm.rank(group), comm.world_size(group)) for where in places.values()]
+    param_group = FSDPParamGroup(params, group, mp_policy.param_dtype, mp_policy.reduce_dtype,
+                                 name=type(module).__name__, replicate_group=across)
+    state = _State(module, param_group, reshard_after_forward, mp_policy)
+    module._fsdp = state
+    module.__class__ = _fsdp_class(type(module))
+    module.register_forward_pre_hook(state.pre_forward, with_kwargs=True)
+    module.register_forward_hook(state.post_forward)
+    return module
+# --8<-- [end:fully_shard]
+
+
+def _fsdp_class(cls: type) -> type:
+    if cls not in _classes:
+        _classes[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+    return _classes[cls]
+
+
+def _world_mesh():
+    """Every rank in one dimension, over the default process group (made once per process group)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from minifsdp.distributed.launch import current_device
+    world = torch.distributed.group.WORLD
+    if _meshes.get("world", (None,))[0] is not world:
+        _meshes["world"] = (world, DeviceMesh.from_group(world, current_device().type))
+    return _meshes["world"][1]
+
+
+_meshes: dict = {}
+
+
+# --8<-- [start:replicate]
+def replicate(module: nn.Module, *, mesh=None, **options) -> nn.Module:
+    """DDP, built the same way: fully_shard over a mesh of N replicas of one rank each. Every parameter is
+    whole on every rank (Replicate()); the "all-gather" in a group of one is a copy, and the gradients are
+    averaged across the replicas by an all-reduce -- HSDP with shards of one."""
+    if mesh is None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from minifsdp.distributed.launch import current_device
+        world = torch.distributed.group.WORLD
+        if _meshes.get("replicate", (None,))[0] is not world:  # (making a mesh makes process groups: once)
+            _meshes["replicate"] = (world, init_device_mesh(current_device().type, (comm.world_size(), 1),
+                                                            mesh_dim_names=("replicate", "shard")))
+        mesh = _meshes["replicate"][1]
+    return fully_shard(module, mesh=mesh, **options)
+# --8<-- [end:replicate]
+
+
+def _post_order(module: nn.Module, seen: set | None = None) -> list[nn.Module]:
+    """The modules under `module`, each after its children, each once: torch's fully_shard orders a group's
+    parameters so, and the order is the layout of the all-gather and reduce-scatter buffers -- the same
+    layout sums the same elements in the same order (gloo's reduce-scatter at N = 4 depends on it)."""
+    seen = set() if seen is None else seen
+    seen.add(module)
+    out = []
+    for child in module.children():
+        if child not in seen:
+            out += _post_order(child, seen)
+    return out + [module]

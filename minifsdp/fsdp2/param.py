@@ -1,0 +1,215 @@
+"""Chapter 11: per-parameter sharding -- each parameter a DTensor, Shard(0); a module's parameters gathered
+and reduced together.
+
+Chapter 5's FlatParameter concatenates a unit's parameters, pads the concatenation and cuts it in N: a rank's
+shard crosses parameter boundaries, so the optimizer sees one flat tensor and the original parameters only
+live on as views. FSDP2 cuts *each parameter* in N along dim 0, as torch.chunk does (the first chunks get
+ceil(d0 / N) rows, the last may get fewer or none, and every chunk is padded to ceil(d0 / N) rows), and keeps
+it as a DTensor: a tensor that knows it is chunk r of a global shape on a mesh. So `model.parameters()` are
+still the user's parameters, with their names and shapes; the optimizer steps them one by one; frozen and
+trainable parameters mix freely; `state_dict()` is already a sharded checkpoint.
+
+The price is paid at the collectives, which still want one flat buffer per module (one all-gather of many
+small tensors is slower than one of their concatenation):
+
+    unshard  copy-in:  each parameter's padded shard, end to end         -> all-gather input   (Ψ_m / N)
+             all-gather                                                   -> output, rank-major  (Ψ_m)
+             copy-out: rank q's part of parameter i, for every q, into i's unsharded tensor
+    reduce   copy-in:  each gradient, padded to N chunks, chunk q of every gradient side by side in slot q
+             reduce-scatter                                               -> this rank's slot    (Ψ_m / N)
+             each parameter's part of the slot is its sharded gradient (a view), as a DTensor
+
+Each copy costs a pass over the bytes. What it buys: the unsharded parameters are tensors of their own, not
+views into a buffer a collective may still be writing, so the buffer is freed right after the copy-out
+(no record_stream, chapter 8) and the memory is what the program says, not what the allocator's streams
+happen to allow.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from minifsdp.distributed import comm
+
+
+# --8<-- [start:shard]
+class FSDPParam:
+    """One parameter of a fully_shard'ed module: its padded shard (what the collectives read and write), the
+    DTensor parameter the user and the optimizer see (a view of the shard's first rows), and, between unshard
+    and reshard, the unsharded parameter the module computes with."""
+
+    def __init__(self, places: list[tuple[nn.Module, str]], mesh, rank: int, world_size: int):
+        self.places, self.mesh = places, mesh  # (module, name): more than one for a tied parameter
+        # Sharded over the mesh's last dimension; on a 2-D mesh (HSDP), replicated over the first.
+        self.placements = (Shard(0),) if mesh.ndim == 1 else (Replicate(), Shard(0))
+        module, name = places[0]
+        param = module._parameters[name]
+        if param.dim() == 0:
+            raise ValueError(f"fully_shard shards each parameter along dim 0, and {name!r} of "
+                             f"{type(module).__name__} is 0-dim: give it shape (1,) (as torch's fully_shard)")
+        self.shape, self.requires_grad = param.shape, param.requires_grad
+        # BEGIN EXERCISE 11.1: this rank's Shard(0) of the parameter, padded to ceil(d0 / N) rows
+        self.rows = -(-param.shape[0] // world_size)  # every rank's padded number of rows: chunk 0's
+        first = min(rank * self.rows, param.shape[0])
+        self.length = min(self.rows, param.shape[0] - first)  # this rank's real rows (the last may have none)
+        padded = param.new_zeros((self.rows,) + tuple(param.shape[1:]))
+        padded[: self.length].copy_(param.detach()[first: first + self.length])
+        # END EXERCISE
+        self.padded = padded
+        self.sharded = nn.Parameter(DTensor.from_local(padded[: self.length], mesh, self.placements, run_check=False,
+                                                       shape=self.shape, stride=_contiguous_stride(self.shape)),
+                                    requires_grad=self.requires_grad)
+        self.unsharded = None    # the nn.Parameter the module computes with, between unshard and reshard
+        self.accumulated = None  # unsharded gradients added up while gradient sync is off
+        self.show(self.sharded)
+
+    def alloc_unsharded(self, dtype: torch.dtype) -> torch.Tensor:
+        """The unsharded parameter's memory, for the copy-out to fill. It is one Parameter for good, whose
+        storage is freed at reshard and given back here: what forward saved for backward (a Linear saves
+        its weight) is this same storage, so the pre-backward all-gather refills it. Written through .data,
+        which autograd does not count as a change to a tensor it saved."""
+        if self.unsharded is None or self.unsharded.dtype != dtype:
+            self.unsharded = nn.Parameter(self.padded.new_empty(self.shape, dtype=dtype),
+                                          requires_grad=self.requires_grad)
+        storage = self.unsharded.untyped_storage()
+        if storage.size() == 0:
+            storage.resize_(self.unsharded.numel() * self.unsharded.element_size())
+        return self.unsharded.data
+
+    def free_unsharded(self) -> None:
+        if self.unsharded is not None:
+            self.unsharded.untyped_storage().resize_(0)
+
+    def show(self, param: nn.Parameter) -> None:
+        """Register `param` at every place of this parameter: the module computes with what it finds there."""
+        for module, name in self.places:
+            module._parameters[name] = param
+    # --8<-- [end:shard]
+
+    def refresh_sharded(self) -> None:
+        """The module's DTensor parameter may have been given new memory since fully_shard (module.to_empty()
+        after a meta-device build): take its data as this rank's shard again, keeping the Parameter object
+        the optimizer may already hold."""
+        module, name = self.places[0]
+        param = module._parameters[name]
+        if param is self.unsharded:  # shown by an unshard() before the first forward: not a replacement
+            return
+        local = param.to_local() if isinstance(param, DTensor) else param
+        if param is self.sharded and local.untyped_storage().data_ptr() == self.padded.untyped_storage().data_ptr():
+            return
+        padded = local.new_zeros((self.rows,) + tuple(self.shape[1:]))
+        padded[: self.length].copy_(local.detach())
+        self.padded, self.sharded = padded, param
+        param._local_tensor = padded[: self.length]  # (a DTensor's data is its local tensor)
+        self.show(param)
+
+    @property
+    def padded_numel(self) -> int:
+        return self.padded.numel()
+
+
+def _contiguous_stride(shape) -> tuple[int, ...]:
+    stride, out = 1, []
+    for size in reversed(shape):
+        out.append(stride)
+        stride *= size
+    return tuple(reversed(out))
+
+
+class FSDPParamGroup:
+    """The parameters of one fully_shard call, gathered by one all-gather and reduced by one reduce-scatter."""
+
+    def __init__(self, params: list[FSDPParam], group, param_dtype=None, reduce_dtype=None, name: str = "",
+                 replicate_group=None):
+        self.params, self.group, self.name = params, group, name
+        self.replicate_group = replicate_group  # HSDP: the same shard on other groups, averaged with them
+        self.world_size, self.rank = comm.world_size(group), comm.rank(group)
+        self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
+        self.is_unsharded = False
+        self._gather = None  # (output buffer, handle) of an all-gather in flight
+
+    # --8<-- [start:unshard]
+    def unshard(self, async_op: bool = False) -> None:
+        """All-gather every parameter's shard in one collective. Copy-in: the padded shards end to end."""
+        if self.is_unsharded or self._gather is not None or not self.params:
+            return
+        dtype = self.param_dtype or self.params[0].padded.dtype
+        inp = torch.cat([p.padded.reshape(-1).to(dtype) for p in self.params])
+        out = inp.new_empty(inp.numel() * self.world_size)
+        handle = comm.all_gather(out, inp, async_op=True, tag=f"all_gather {self.name}", group=self.group)
+        self._gather = (out, handle)
+        if not async_op:
+            self.wait_for_unshard()
+
+    def wait_for_unshard(self) -> None:
+        """Copy-out: rank q's slot of the output holds its shard of every parameter, in order; parameter i's
+        rows from every slot, stacked, are i's unsharded tensor (padding rows cut off)."""
+        if self._gather is None:
+            return
+        out, handle = self._gather
+        handle.wait()
+        slots = out.view(self.world_size, -1)  # row q: rank q's shards, end to end
+        offset = 0
+        for p in self.params:
+            full = p.alloc_unsharded(out.dtype)
+            for q, rows in enumerate(full.split(p.rows)):  # rank q's real rows of this parameter
+                rows.view(-1).copy_(slots[q, offset: offset + rows.numel()])
+            p.show(p.unsharded)  # the module computes with the whole parameter
+            offset += p.padded_numel
+        comm.release(out)  # copied out: the all-gather's buffer goes now, not when gloo lets go of it
+        self._gather, self.is_unsharded = None, True
+    # --8<-- [end:unshard]
+
+    def reshard(self) -> None:
+        """Back to the shards: the module's parameters are the DTensors again, the unsharded ones freed."""
+        if self._gather is not None:
+            self.wait_for_unshard()
+        for p in self.params:
+            p.show(p.sharded)
+            p.free_unsharded()
+        self.is_unsharded = False
+
+    # --8<-- [start:reduce]
+    def reduce_scatter_grads(self) -> None:
+        """Average the unsharded gradients over the ranks, each rank keeping its own shard of each. Copy-in:
+        gradient i padded to N chunks of i's padded shard, chunk q of every gradient in slot q."""
+        params = [p for p in self.params if p.unsharded is not None and p.unsharded.grad is not None]  # (used)
+        if not params:
+            return
+        n = self.world_size
+        dtype = self.reduce_dtype or params[0].unsharded.grad.dtype
+        # BEGIN EXERCISE 11.2: copy-in (rank q's rows of every gradient into slot q), then reduce-scatter (average)
+        inp = torch.zeros(n, sum(p.padded_numel for p in params), dtype=dtype,
+                          device=params[0].unsharded.grad.device)
+        offset = 0
+        for p in params:
+            for q, rows in enumerate(p.unsharded.grad.split(p.rows)):  # rank q's rows go to slot q
+                inp[q, offset: offset + rows.numel()].copy_(rows.reshape(-1))
+            p.unsharded.grad = None  # copied in: the unsharded gradient goes now
+            offset += p.padded_numel
+        out = inp.new_empty(inp.shape[1])
+        comm.reduce_scatter(out, inp.view(-1), op=comm.ReduceOp.AVG, tag=f"reduce_scatter {self.name}",
+                            group=self.group)
+        comm.release(inp)
+        if self.replicate_group is not None:  # HSDP: then average this shard with its replicas
+            comm.all_reduce(out, op=comm.ReduceOp.AVG, tag=f"all_reduce {self.name}", group=self.replicate_group)
+        # END EXERCISE
+        offset = 0
+        for p in params:  # this rank's slot holds its shard of every gradient, end to end
+            local = out[offset: offset + p.padded_numel].view(p.padded.shape)[: p.length]
+            offset += p.padded_numel
+            local = local.to(p.padded.dtype)
+            grad = DTensor.from_local(local, p.mesh, p.placements, run_check=False, shape=p.shape,
+                                      stride=_contiguous_stride(p.shape))
+            if p.sharded.grad is None:
+                p.sharded.grad = grad
+            else:  # no zero_grad() since the last step: gradients add up, as for any parameter
+                p.sharded.grad += grad
+    # --8<-- [end:reduce]
+
+    def numel(self) -> int:
+        return sum(math.prod(p.shape) for p in self.params)
