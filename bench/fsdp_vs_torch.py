@@ -18,7 +18,7 @@ knows it. The FSDPs keep their unsharded-parameter buffers from step to step and
 (0 bytes while sharded, full size while a unit computes), and those buffers were created before the
 meter, so they are registered with `meter.watch(..., "params")`: minifsdp's `flat._full` of every unit,
 torch FSDP1's `flat_param._full_param_padded` of every handle and torch FSDP2's `all_gather_outputs` of
-every FSDPParam. (Unregistered, they are still found through the views of them that ops produce, but
+every FSDPParam, and minifsdp fully_shard's (chapter 11) unsharded parameters. (Unregistered, they are still found through the views of them that ops produce, but
 only once such an op runs, and counted as "other".) Buffers allocated anew every step (FSDP2's all-gather
 and reduce-scatter staging buffers, say) are seen as they are created, as "other". The figure is tracked tensor bytes, not the process's RSS (no allocator overhead, no gloo
 internals). As a plausibility check, every FSDP's peak must reach at least its sharded model states
@@ -47,12 +47,14 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from interleave import rank_batch, time_interleaved
 from minifsdp import GPTConfig, MemoryMeter, ModuleWrapPolicy, TinyGPT, launch
 from minifsdp.fsdp import BACKWARD_PRE, FullyShardedDataParallel
+from minifsdp.fsdp2 import FSDPModule as MinifsdpFSDPModule
+from minifsdp.fsdp2 import fully_shard as minifsdp_fully_shard
 from minifsdp.models import Block
 from minifsdp.train import max_abs_diff
 
 ADAMW = dict(lr=1e-3, weight_decay=0.1)
 LABELS = {"minifsdp": "minifsdp FSDP", "minifsdp_defaults": "minifsdp FSDP, defaults",
-          "minifsdp_noprefetch": "minifsdp FSDP, no prefetch",
+          "minifsdp_noprefetch": "minifsdp FSDP, no prefetch", "fully_shard": "minifsdp fully_shard",
           "fsdp2": "torch FSDP2 (fully_shard)", "fsdp1": "torch FSDP1", "ddp": "torch DDP"}
 REFERENCE = "fsdp2"  # the ratios are to this one
 
@@ -67,10 +69,11 @@ def build(name, config):
                                          backward_prefetch=BACKWARD_PRE if prefetch else None)
     elif name == "minifsdp_defaults":  # PyTorch FSDP1's defaults: BACKWARD_PRE, no forward prefetch
         model = FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({Block}))
-    elif name == "fsdp2":
+    elif name in ("fsdp2", "fully_shard"):  # torch's fully_shard, or minifsdp's (chapter 11), the same way
+        shard = fully_shard if name == "fsdp2" else minifsdp_fully_shard
         for block in model.blocks:
-            fully_shard(block)
-        fully_shard(model)
+            shard(block)
+        shard(model)
     elif name == "fsdp1":
         with warnings.catch_warnings():  # FSDP1 is deprecated in favour of fully_shard: we know
             warnings.simplefilter("ignore", FutureWarning)
@@ -86,6 +89,9 @@ def unsharded_buffers(name, model):
     They exist only after the first forward (FSDP1 and FSDP2 create them lazily)."""
     if name.startswith("minifsdp"):
         return [flat._full for unit in model.units() for flat in unit.flat_params]
+    if name == "fully_shard":  # each parameter's unsharded tensor, one for good, its storage freed and refilled
+        return [p.unsharded for m in model.modules() if isinstance(m, MinifsdpFSDPModule)
+                for p in m._fsdp.group.params if p.unsharded is not None]
     if name == "fsdp1":
         return [m._handle.flat_param._full_param_padded for m in model.modules()
                 if isinstance(m, TorchFSDP) and m._handle is not None]

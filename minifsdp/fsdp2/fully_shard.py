@@ -153,19 +153,20 @@ class _State:
         if self.backward_done:
             return
         self.backward_done = True
-        if self.requires_gradient_sync:
-            for p in self.group.params:  # what no_sync-style accumulation kept is added in first
-                if p.accumulated is not None and p.unsharded is not None:
-                    p.unsharded.grad = p.accumulated if p.unsharded.grad is None else p.unsharded.grad + p.accumulated
-                    p.accumulated = None
-            self.group.reduce_scatter_grads()
-        else:  # set_requires_gradient_sync(False): keep adding up the unsharded gradients, send nothing
-            for p in self.group.params:
-                if p.unsharded is not None and p.unsharded.grad is not None:
-                    p.accumulated = p.unsharded.grad if p.accumulated is None else p.accumulated + p.unsharded.grad
-                    p.unsharded.grad = None
-        if self.reshard_after_backward:
+        grads = self.group.take_grads()
+        if not self.requires_gradient_sync:  # set_requires_gradient_sync(False): add up, send nothing
+            for p, g in grads:
+                p.accumulated = g if p.accumulated is None else p.accumulated + g
+            grads = []
+        else:  # what earlier backwards without sync kept is added in first
+            grads = [(p, g if p.accumulated is None else p.accumulated + g) for p, g in grads]
+            grads += [(p, p.accumulated) for p in self.group.params
+                      if p.accumulated is not None and all(p is not q for q, _ in grads)]
+            for p, _ in grads:
+                p.accumulated = None
+        if self.reshard_after_backward:  # the parameters first: their memory goes before the reduce-scatter's
             self.group.reshard()
+        self.group.reduce_scatter_grads(grads)
 
     def _end_of_backward(self) -> None:
         """The root's callback: finish every module whose post-backward did not run (its inputs needed no

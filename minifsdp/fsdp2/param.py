@@ -134,12 +134,18 @@ class FSDPParamGroup:
 
     # --8<-- [start:unshard]
     def unshard(self, async_op: bool = False) -> None:
-        """All-gather every parameter's shard in one collective. Copy-in: the padded shards end to end."""
+        """All-gather every parameter's shard in one collective. Copy-in: the padded shards end to end, into
+        this rank's own slot of the output, so that no separate input buffer is needed."""
         if self.is_unsharded or self._gather is not None or not self.params:
             return
         dtype = self.param_dtype or self.params[0].padded.dtype
-        inp = torch.cat([p.padded.reshape(-1).to(dtype) for p in self.params])
-        out = inp.new_empty(inp.numel() * self.world_size)
+        total = sum(p.padded_numel for p in self.params)
+        out = self.params[0].padded.new_empty(total * self.world_size, dtype=dtype)
+        inp = out[self.rank * total: (self.rank + 1) * total]  # in place: this rank's slot is the input
+        offset = 0
+        for p in self.params:
+            inp[offset: offset + p.padded_numel].copy_(p.padded.reshape(-1))  # (cast to param_dtype)
+            offset += p.padded_numel
         handle = comm.all_gather(out, inp, async_op=True, tag=f"all_gather {self.name}", group=self.group)
         self._gather = (out, handle)
         if not async_op:
@@ -174,22 +180,29 @@ class FSDPParamGroup:
         self.is_unsharded = False
 
     # --8<-- [start:reduce]
-    def reduce_scatter_grads(self) -> None:
+    def take_grads(self) -> list[tuple[FSDPParam, torch.Tensor]]:
+        """The unsharded gradients autograd left on the unsharded parameters (of those that were used),
+        taken off them: the parameters can then be resharded before the gradients are sent."""
+        out = [(p, p.unsharded.grad) for p in self.params if p.unsharded is not None and p.unsharded.grad is not None]
+        for p, _ in out:
+            p.unsharded.grad = None
+        return out
+
+    def reduce_scatter_grads(self, grads: list[tuple[FSDPParam, torch.Tensor]]) -> None:
         """Average the unsharded gradients over the ranks, each rank keeping its own shard of each. Copy-in:
         gradient i padded to N chunks of i's padded shard, chunk q of every gradient in slot q."""
-        params = [p for p in self.params if p.unsharded is not None and p.unsharded.grad is not None]  # (used)
-        if not params:
+        if not grads:
             return
+        params = [p for p, _ in grads]
         n = self.world_size
-        dtype = self.reduce_dtype or params[0].unsharded.grad.dtype
+        dtype = self.reduce_dtype or grads[0][1].dtype
         # BEGIN EXERCISE 11.2: copy-in (rank q's rows of every gradient into slot q), then reduce-scatter (average)
-        inp = torch.zeros(n, sum(p.padded_numel for p in params), dtype=dtype,
-                          device=params[0].unsharded.grad.device)
+        inp = torch.zeros(n, sum(p.padded_numel for p in params), dtype=dtype, device=grads[0][1].device)
         offset = 0
-        for p in params:
-            for q, rows in enumerate(p.unsharded.grad.split(p.rows)):  # rank q's rows go to slot q
+        for i, (p, grad) in enumerate(grads):
+            for q, rows in enumerate(grad.split(p.rows)):  # rank q's rows go to slot q
                 inp[q, offset: offset + rows.numel()].copy_(rows.reshape(-1))
-            p.unsharded.grad = None  # copied in: the unsharded gradient goes now
+            grads[i] = grad = rows = None  # copied in: the unsharded gradient goes now
             offset += p.padded_numel
         out = inp.new_empty(inp.shape[1])
         comm.reduce_scatter(out, inp.view(-1), op=comm.ReduceOp.AVG, tag=f"reduce_scatter {self.name}",
