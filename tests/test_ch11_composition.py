@@ -1,7 +1,8 @@
 """Chapter 11: composition -- replicate() beside fully_shard(), and HSDP on a 2-D mesh -- against torch's DDP,
 with the bytes each group sends counted and checked against the ring model.
 
-HSDP on a (2, 2) mesh ("replicate", "shard") in a world of 4: each parameter is sharded over the 2 ranks of a
+HSDP on a (2, 2) mesh ("replicate", "shard") in a world of 4, built two ways -- fully_shard(mesh=...) and the
+FlatParameter FSDP's sharding_strategy=HYBRID_SHARD (next to torch FSDP1's, within 1e-6): each parameter is sharded over the 2 ranks of a
 row and replicated over the 2 rows; a gradient is reduce-scattered (averaged) in the row, then its shard is
 all-reduced (averaged) across the rows. replicate(model) is the same with rows of one rank. Both are checked
 against torch's DDP after 4 SGD-momentum steps: within 1e-6 (measured 7.5e-9). The average is exact (a power
@@ -23,6 +24,7 @@ from minifsdp.distributed.mesh import init_mesh
 from minifsdp.train import batch, build_model, loss_of
 
 STEPS = 4
+KINDS = ("ddp", "hsdp", "replicate root", "hybrid_shard", "torch hybrid_shard")
 
 
 def train(kind):
@@ -33,6 +35,8 @@ def train(kind):
     groups = []
     if kind == "ddp":
         model = torch.nn.parallel.DistributedDataParallel(model)
+    elif kind in ("hybrid_shard", "torch hybrid_shard"):  # the FlatParameter FSDP, minifsdp's and torch's FSDP1
+        model = hybrid_shard(model, torch_fsdp1=kind.startswith("torch"))
     elif kind == "hsdp":
         mesh = init_mesh((2, 2), ("replicate", "shard"))
         groups = [fully_shard(b, mesh=mesh) for b in model.blocks] + [fully_shard(model, mesh=mesh)]
@@ -46,19 +50,46 @@ def train(kind):
         opt.step()
         opt.zero_grad()
         sent.append({g: dict(kinds) for g, kinds in counter.by_group.items()})
-    sd = (model.module if kind == "ddp" else model).state_dict()
-    full = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach() for k, v in sd.items()}
+    if kind.endswith("hybrid_shard"):
+        full = full_state(model, kind)
+    else:
+        sd = (model.module if kind == "ddp" else model).state_dict()
+        full = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach() for k, v in sd.items()}
     layout = [(g._fsdp.group.world_size, 4 * g._fsdp.group.world_size * sum(p.padded_numel for p in g._fsdp.group.params),
                g is model) for g in groups]
     return {"full": full, "sent": sent[-1], "layout": layout}
 
 
+def hybrid_shard(model, torch_fsdp1: bool):
+    """FSDP1's HYBRID_SHARD on the (replicate, shard) mesh: minifsdp's FlatParameter FSDP, or torch's."""
+    from minifsdp.models import Block
+
+    mesh = init_mesh((2, 2), ("replicate", "shard"))
+    if torch_fsdp1:
+        from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+        return FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({Block}), device_mesh=mesh,
+                                        sharding_strategy=ShardingStrategy.HYBRID_SHARD, device_id=torch.device("cpu"))
+    from minifsdp.fsdp import FullyShardedDataParallel, ModuleWrapPolicy, ShardingStrategy
+    return FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({Block}), device_mesh=mesh,
+                                    sharding_strategy=ShardingStrategy.HYBRID_SHARD)
+
+
+def full_state(model, kind):
+    if kind.startswith("torch"):
+        from torch.distributed.fsdp import FullStateDictConfig, FullyShardedDataParallel, StateDictType
+        with FullyShardedDataParallel.state_dict_type(model, StateDictType.FULL_STATE_DICT,
+                                                      FullStateDictConfig(rank0_only=False)):
+            return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return model.full_state_dict()
+
+
 @pytest.fixture(scope="module")
 def runs():
-    return {kind: launch(train, world_size=4, args=(kind,)) for kind in ("ddp", "hsdp", "replicate root")}
+    return {kind: launch(train, world_size=4, args=(kind,)) for kind in KINDS}
 
 
-@pytest.mark.parametrize("kind", ["hsdp", "replicate root"])
+@pytest.mark.parametrize("kind", ["hsdp", "replicate root", "hybrid_shard", "torch hybrid_shard"])
 def test_equals_ddp(runs, kind):
     ref = runs["ddp"][0]["full"]
     for r in range(4):
@@ -88,3 +119,13 @@ def test_replicate_sends_the_root_by_all_reduce_only(runs):
     assert across == pytest.approx(comm.ring_bytes("all_reduce", root[0][1], 4))
     gathered = sum(v.get("all_gather", 0.0) for v in res["sent"].values())
     assert gathered == pytest.approx(2 * comm.ring_bytes("all_gather", blocks, 4))  # the root's "gather" of one: 0
+
+
+def test_flat_hybrid_shard_equals_torchs_and_sends_each_shard_across_once(runs):
+    ours, torchs = runs["hybrid_shard"][0]["full"], runs["torch hybrid_shard"][0]["full"]
+    assert max(float((ours[k] - torchs[k]).abs().max()) for k in torchs) <= 1e-6
+    for r in range(4):
+        sent = runs["hybrid_shard"][r]["sent"]
+        # each rank's reduce-scatter input is the unit's padded flat gradient F; in the row it sends F/2,
+        # and its shard, F/2, is all-reduced across the two rows: 2 x (F/2) x (1/2) = F/2 again
+        assert sent["replicate"]["all_reduce"] == pytest.approx(sent["shard"]["reduce_scatter"])

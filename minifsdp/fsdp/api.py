@@ -37,7 +37,7 @@ class ShardingStrategy(enum.Enum):
     FULL_SHARD = enum.auto()     # parameters resharded after forward (ZeRO-3)
     SHARD_GRAD_OP = enum.auto()  # parameters kept from forward to backward (ZeRO-2-like memory)
     NO_SHARD = enum.auto()       # nothing sharded, gradients all-reduced: DDP, in FSDP's runtime
-    HYBRID_SHARD = enum.auto()   # sharded within a node, replicated across nodes: chapter 11's meshes
+    HYBRID_SHARD = enum.auto()   # sharded within a node, replicated across nodes (chapter 11)
     _HYBRID_SHARD_ZERO2 = enum.auto()
 
 
@@ -91,17 +91,33 @@ def resolve_sharding(sharding_strategy, reshard_after_forward) -> tuple[bool, bo
     """(shard the parameters?, reshard after forward?) for a strategy; reshard_after_forward, minifsdp's own
     spelling of the FULL_SHARD / SHARD_GRAD_OP choice, may be given instead, not as well."""
     strategy = by_name(sharding_strategy, ShardingStrategy, "sharding_strategy")
-    if strategy in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2):
-        raise NotImplementedError(f"{strategy.name} needs a two-dimensional mesh (shard within a node, replicate "
-                                  f"across nodes): it comes with chapter 11's fully_shard(mesh=...)")
     if strategy is None:
         return True, True if reshard_after_forward is None else reshard_after_forward
-    implied = strategy is ShardingStrategy.FULL_SHARD
+    implied = strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
     if reshard_after_forward is not None and strategy is not ShardingStrategy.NO_SHARD \
             and reshard_after_forward != implied:
         raise ValueError(f"sharding_strategy={strategy.name} means reshard_after_forward={implied}, but "
                          f"reshard_after_forward={reshard_after_forward} was passed too: give one of them")
     return strategy is not ShardingStrategy.NO_SHARD, implied
+
+
+def is_hybrid(sharding_strategy) -> bool:
+    return by_name(sharding_strategy, ShardingStrategy, "sharding_strategy") in (
+        ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
+
+
+# --8<-- [start:hybrid]
+def resolve_hybrid(process_group, device_mesh):
+    """HYBRID_SHARD's two groups, (shard within, replicate across), as PyTorch FSDP1 takes them: a pair of
+    process groups (intra-node, inter-node), or a 2-D DeviceMesh whose dimensions are (replicate, shard)."""
+    if device_mesh is not None and process_group is None and device_mesh.ndim == 2:
+        return device_mesh.get_group(1), device_mesh.get_group(0)
+    if device_mesh is None and isinstance(process_group, tuple) and len(process_group) == 2:
+        return process_group
+    raise ValueError("HYBRID_SHARD needs its two groups: device_mesh=<2-D DeviceMesh (replicate, shard)>, e.g. "
+                     "minifsdp.init_mesh((2, 2), ('replicate', 'shard')), or process_group=(shard group, "
+                     "replicate group)")
+# --8<-- [end:hybrid]
 
 
 def resolve_group(process_group, device_mesh, use_orig_params: bool, ignored_states):
@@ -116,7 +132,7 @@ def resolve_group(process_group, device_mesh, use_orig_params: bool, ignored_sta
         return process_group
     if process_group is not None or device_mesh.ndim != 1:
         raise ValueError("device_mesh: give a one-dimensional DeviceMesh or a process_group, not both (a "
-                         "two-dimensional mesh is HYBRID_SHARD's, chapter 11)")
+                         "two-dimensional mesh is HYBRID_SHARD's: pass sharding_strategy=HYBRID_SHARD)")
     return device_mesh.get_group()
 
 

@@ -124,8 +124,9 @@ class FlatParameter:
 
     # --8<-- [start:init]
     def __init__(self, places: list[tuple[nn.Module, str]], requires_grad: bool = True, group=None,
-                 shard: bool = True):
+                 shard: bool = True, replicate_group=None):
         self.group, self.sharded = group, shard
+        self.replicate_group = replicate_group  # HYBRID_SHARD: the ranks that hold this same shard (chapter 11)
         self.rank, self.world_size = (comm.rank(group), comm.world_size(group)) if shard else (0, 1)
         self.places = places
         params, self.index = [], []  # index[i]: which of `params` the i-th place shows
@@ -298,6 +299,11 @@ class FlatParameter:
             handle = comm.reduce_scatter(grad_shard, full_grad, async_op=True, tag=f"reduce_scatter {self.name}",
                                          group=self.group)
             # END EXERCISE
+            if self.replicate_group is not None:  # HYBRID_SHARD: then average the shard across the replicas
+                handle.wait()
+                grad_shard.mul_(1.0 / comm.world_size(self.replicate_group))
+                handle = comm.all_reduce(grad_shard, async_op=True, tag=f"all_reduce {self.name}",
+                                         group=self.replicate_group)
         return handle, grad_shard
     # --8<-- [end:reduce_scatter_grad]
 

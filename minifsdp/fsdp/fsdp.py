@@ -104,7 +104,12 @@ class FullyShardedDataParallel(nn.Module):
         super().__init__()
         backward_prefetch = api.by_name(backward_prefetch, BackwardPrefetch, "backward_prefetch")
         shard, reshard_after_forward = api.resolve_sharding(sharding_strategy, reshard_after_forward)
-        process_group = api.resolve_group(process_group, device_mesh, use_orig_params, ignored_states)
+        api.resolve_group(None, None, use_orig_params, ignored_states)  # (refuses what minifsdp lacks)
+        if api.is_hybrid(sharding_strategy):  # chapter 11: shard within a group, replicate across groups
+            process_group, self.replicate_group = api.resolve_hybrid(process_group, device_mesh)
+        else:
+            process_group = api.resolve_group(process_group, device_mesh, use_orig_params, ignored_states)
+            self.replicate_group = None
         comm.require_process_group()
         require_module(module, "FullyShardedDataParallel")  # (units nested inside are allowed, unlike DDP)
         if isinstance(module, FullyShardedDataParallel) or getattr(module, "_fsdp_wrapped", False):
@@ -129,16 +134,20 @@ class FullyShardedDataParallel(nn.Module):
             # before anything is sharded (afterwards each rank's shard is its own, not rank 0's: so only
             # what no unit wrapped by hand already owns)
             comm.sync_from_rank0(unowned_named_tensors(module), process_group)
+            if self.replicate_group is not None:
+                comm.sync_from_rank0(unowned_named_tensors(module), self.replicate_group)
         if auto_wrap_policy is not None:
             uses = {}
             for name, p in module.named_parameters(remove_duplicate=False):
                 uses.setdefault(p, []).append(name)
+            hybrid = self.replicate_group is not None
             options = dict(reshard_after_forward=reshard_after_forward,
-                           sharding_strategy=None if shard else api.ShardingStrategy.NO_SHARD,
+                           sharding_strategy=sharding_strategy if hybrid else None if shard else api.ShardingStrategy.NO_SHARD,
                            sync_module_states=sync_module_states and deferred, backward_prefetch=backward_prefetch,
                            forward_prefetch=forward_prefetch, limit_all_gathers=limit_all_gathers,
                            param_init_fn=param_init_fn, device_id=device_id, mixed_precision=mixed_precision,
-                           cpu_offload=cpu_offload, process_group=process_group)
+                           cpu_offload=cpu_offload,
+                           process_group=(process_group, self.replicate_group) if hybrid else process_group)
             wrap_children(module, auto_wrap_policy, uses, lambda child: FullyShardedDataParallel(child, **options))
         self.module = module
         # device_id: a torch.device, or a GPU's index (0 is a GPU, not "unset")
@@ -153,6 +162,8 @@ class FullyShardedDataParallel(nn.Module):
         check_master_dtype(mixed_precision, module.named_parameters())
         cast_buffers(module, mixed_precision)
         self.flat_params = self._flatten_own_parameters()
+        if self.replicate_group is not None and deferred and sync_module_states:  # replicas: the same shards
+            comm.broadcast_tensors([flat.param.data for flat in self.flat_params], src=0, group=self.replicate_group)
         for flat in self.flat_params:  # chapter 8: what the all-gathers send, what the gradients are averaged in
             flat.use_precision(mixed_precision and mixed_precision.param_dtype,
                                mixed_precision and mixed_precision.reduce_dtype,
@@ -197,7 +208,8 @@ class FullyShardedDataParallel(nn.Module):
             raise ValueError(f"a unit flattens its parameters into one tensor of one dtype, but the unit around "
                              f"{type(self.module).__name__} holds several ({held}). Give the model one dtype, or "
                              f"put the parameters of each dtype in units of their own (auto_wrap_policy)")
-        return [FlatParameter(places[rg], requires_grad=rg, group=self.process_group, shard=self.shard)
+        return [FlatParameter(places[rg], requires_grad=rg, group=self.process_group, shard=self.shard,
+                              replicate_group=self.replicate_group)
                 for rg in (True, False) if places[rg]]
     # --8<-- [end:flatten_own]
 
