@@ -452,3 +452,30 @@ def test_peak_memory_at_most_torchs(ranks):
         # the meter saw the unsharded parameters: the shards (4Ψ/N bytes) and at least one block's full ones
         assert m["ours"]["params_peak"] >= 4 * psi / MEMORY_N + 4 * block
         assert m["torch"]["params_peak"] >= 4 * psi / MEMORY_N + 4 * block
+
+
+def freeze_after_wrapping():
+    """A parameter frozen after fully_shard, before the first forward: no gradient, and it does not move."""
+    import torch.distributed.fsdp as torch_fsdp
+
+    from minifsdp.fsdp2 import fully_shard as ours
+    r, n = dist.get_rank(), dist.get_world_size()
+    out = {}
+    for impl, shard_fn in (("minifsdp", ours), ("torch", torch_fsdp.fully_shard)):
+        model = build_model("gpt", seed=0)
+        for b in model.blocks:
+            shard_fn(b)
+        shard_fn(model)
+        model.blocks[0].fc.weight.requires_grad_(False)
+        before = model.blocks[0].fc.weight.full_tensor().clone()
+        opt = OPTIMIZERS["sgd"](model.parameters())
+        loss_of("gpt", model, batch("gpt", 0, 12, r, n, "cpu")).backward()
+        grad = model.blocks[0].fc.weight.grad
+        opt.step()
+        out[impl] = (grad is None, float((model.blocks[0].fc.weight.full_tensor() - before).abs().max()))
+    return out
+
+
+def test_a_parameter_frozen_after_wrapping_stays_frozen():
+    for res in launch(freeze_after_wrapping, world_size=2):
+        assert res["minifsdp"] == res["torch"] == (True, 0.0)

@@ -73,8 +73,8 @@ class FSDPParam:
         its weight) is this same storage, so the pre-backward all-gather refills it. Written through .data,
         which autograd does not count as a change to a tensor it saved."""
         if self.unsharded is None or self.unsharded.dtype != dtype:
-            self.unsharded = nn.Parameter(self.padded.new_empty(self.shape, dtype=dtype),
-                                          requires_grad=self.requires_grad)
+            self.unsharded = nn.Parameter(self.padded.new_empty(self.shape, dtype=dtype))
+        self.unsharded.requires_grad_(self.sharded.requires_grad)  # frozen or unfrozen since, as the user said
         storage = self.unsharded.untyped_storage()
         if storage.size() == 0:
             storage.resize_(self.unsharded.numel() * self.unsharded.element_size())
