@@ -11,6 +11,7 @@
     python -m minifsdp options [--world-size 2]                             chapter 9: accumulation, checkpointing, init
     python -m minifsdp checkpoints [--world-sizes 1 2 3 4]                  chapter 10: checkpoint size and time
     python -m minifsdp state-dict-memory [--world-sizes 2 4]                chapter 10: the memory of a full state dict
+    python -m minifsdp fsdp2 [--world-sizes 2 4]                            chapter 11: FlatParameter vs fully_shard vs torch's
     python -m minifsdp parity [--world-sizes 1 2 3 4]                       chapter 6: parity of every strategy vs torch
     python -m minifsdp gpu-check [--markdown PATH]                          every strategy on NCCL (GPUs only)
     python -m minifsdp demo [--world-size 3]                                all-reduce = reduce-scatter + all-gather
@@ -96,6 +97,10 @@ def main(argv: list[str] | None = None) -> int:
     sdm.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
     sdm.add_argument("--markdown", default=None)
 
+    f2 = sub.add_parser("fsdp2", help="chapter 11: the FlatParameter FSDP, minifsdp's fully_shard and torch's; HSDP's bytes")
+    f2.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
+    f2.add_argument("--markdown", default=None)
+
     parity = sub.add_parser("parity", help="the parity matrix: every strategy on odd, tied, frozen, unused, BatchNorm, "
                                            "reused and float64 models vs torch's DDP (or FSDP1), at each world size")
     parity.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2, 3, 4])
@@ -153,6 +158,9 @@ def main(argv: list[str] | None = None) -> int:
     elif args.command == "state-dict-memory":
         from minifsdp.reports.state_dict_memory import report
         report(world_sizes=args.world_sizes, markdown=args.markdown)
+    elif args.command == "fsdp2":
+        from minifsdp.reports.fsdp2 import run_fsdp2_report
+        run_fsdp2_report(world_sizes=args.world_sizes, markdown=args.markdown)
     elif args.command == "parity":
         from minifsdp.reports.parity import run_parity_report
         return run_parity_report(world_sizes=args.world_sizes, markdown=args.markdown)
