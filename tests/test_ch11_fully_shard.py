@@ -454,18 +454,23 @@ def test_peak_memory_at_most_torchs(ranks):
         assert m["torch"]["params_peak"] >= 4 * psi / MEMORY_N + 4 * block
 
 
-def freeze_after_wrapping():
-    """A parameter frozen after fully_shard, before the first forward: no gradient, and it does not move."""
+def sharded_gpts():
+    """(implementation, the tiny GPT with fully_shard on each block and the root) for minifsdp's and torch's."""
     import torch.distributed.fsdp as torch_fsdp
 
     from minifsdp.fsdp2 import fully_shard as ours
-    r, n = dist.get_rank(), dist.get_world_size()
-    out = {}
     for impl, shard_fn in (("minifsdp", ours), ("torch", torch_fsdp.fully_shard)):
         model = build_model("gpt", seed=0)
         for b in model.blocks:
             shard_fn(b)
-        shard_fn(model)
+        yield impl, shard_fn(model)
+
+
+def freeze_after_wrapping():
+    """A parameter frozen after fully_shard, before the first forward: no gradient, and it does not move."""
+    r, n = dist.get_rank(), dist.get_world_size()
+    out = {}
+    for impl, model in sharded_gpts():
         model.blocks[0].fc.weight.requires_grad_(False)
         before = model.blocks[0].fc.weight.full_tensor().clone()
         opt = OPTIMIZERS["sgd"](model.parameters())
@@ -479,3 +484,31 @@ def freeze_after_wrapping():
 def test_a_parameter_frozen_after_wrapping_stays_frozen():
     for res in launch(freeze_after_wrapping, world_size=2):
         assert res["minifsdp"] == res["torch"] == (True, 0.0)
+
+
+def decay_groups():
+    """AdamW with weight decay on the matrices only (two param groups, picked by name and shape): what a
+    FlatParameter cannot say, since its optimizer sees one flat tensor per unit. Under both fully_shards."""
+    r, n = dist.get_rank(), dist.get_world_size()
+    out = {}
+    for impl, model in sharded_gpts():
+        decay = [p for name, p in model.named_parameters() if p.dim() >= 2]
+        rest = [p for name, p in model.named_parameters() if p.dim() < 2]
+        opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
+                                lr=3e-3)
+        losses = []
+        for step in range(3):
+            loss = loss_of("gpt", model, batch("gpt", step, 12, r, n, "cpu"))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        out[impl] = (losses, {k: v.full_tensor() for k, v in model.state_dict().items()})
+    return out
+
+
+def test_per_parameter_optimizer_groups_train_as_under_torch():
+    for res in launch(decay_groups, world_size=3):
+        (ours, ours_sd), (theirs, theirs_sd) = res["minifsdp"], res["torch"]
+        assert ours == theirs
+        assert max_abs_diff(ours_sd, theirs_sd) == 0.0

@@ -53,7 +53,8 @@ class OffloadPolicy:
 
 @dataclasses.dataclass
 class CPUOffloadPolicy(OffloadPolicy):
-    """Sharded parameters, gradients and optimizer state in host memory (on a CPU run: where they are)."""
+    """Sharded parameters, gradients and optimizer state in host memory. Accepted on CPU ranks, where they
+    are already; refused on GPUs (the FlatParameter FSDP's cpu_offload does it, chapter 8)."""
     pin_memory: bool = True
 
 
@@ -273,6 +274,11 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool = T
         raise TypeError("mp_policy must be a MixedPrecisionPolicy and offload_policy an OffloadPolicy "
                         "(from minifsdp.fsdp2)")
     comm.require_process_group()
+    from minifsdp.distributed.launch import current_device
+    if isinstance(offload_policy, CPUOffloadPolicy) and current_device().type != "cpu":
+        raise NotImplementedError("CPUOffloadPolicy: minifsdp's fully_shard keeps the shards where the module "
+                                  "is; for offloading, use the FlatParameter FSDP's cpu_offload (chapter 8). "
+                                  "On CPU ranks the shards already live in host memory")
     mesh = mesh or _world_mesh()
     if mesh.ndim not in (1, 2):
         raise ValueError(f"fully_shard takes a 1-D mesh (shard) or a 2-D one (replicate, shard), got {mesh.ndim}-D")
