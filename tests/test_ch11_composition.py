@@ -129,3 +129,37 @@ def test_flat_hybrid_shard_equals_torchs_and_sends_each_shard_across_once(runs):
         # each rank's reduce-scatter input is the unit's padded flat gradient F; in the row it sends F/2,
         # and its shard, F/2, is all-reduced across the two rows: 2 x (F/2) x (1/2) = F/2 again
         assert sent["replicate"]["all_reduce"] == pytest.approx(sent["shard"]["reduce_scatter"])
+
+
+def save_hybrid(path):
+    """The FlatParameter HYBRID_SHARD trains 2 steps and saves a chapter-10 checkpoint: the replicas of a
+    shard describe the same boxes, and DCP writes each box once."""
+    from minifsdp import checkpoint
+    from minifsdp.state_dict import get_full_state_dict
+
+    r, n = dist.get_rank(), dist.get_world_size()
+    model = hybrid_shard(build_model("gpt", seed=0), torch_fsdp1=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for step in range(2):
+        loss_of("gpt", model, batch("gpt", step, 12, r, n, "cpu")).backward()
+        opt.step()
+        opt.zero_grad()
+    checkpoint.save(path, model, opt)
+    return get_full_state_dict(model)
+
+
+def load_into_ddp(path):
+    from minifsdp import checkpoint
+    from minifsdp.state_dict import get_full_state_dict
+    from minifsdp.train import STRATEGIES
+
+    model, opt = STRATEGIES["ddp"].build(build_model("gpt", seed=1), "adamw", False)
+    checkpoint.load(path, model, opt)
+    return get_full_state_dict(model), {k: v.clone() for s in opt.state.values() for k, v in s.items()}
+
+
+def test_a_hybrid_shard_checkpoint_loads_into_one_rank(tmp_path):
+    saved = launch(save_hybrid, world_size=4, args=(tmp_path / "ckpt",))[0]
+    loaded, state = launch(load_into_ddp, world_size=1, args=(tmp_path / "ckpt",))[0]
+    assert saved.keys() == loaded.keys() and all(torch.equal(saved[k], loaded[k]) for k in saved)
+    assert {"exp_avg", "exp_avg_sq", "step"} <= set(state)  # the optimizer state came along
