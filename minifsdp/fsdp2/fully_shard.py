@@ -33,6 +33,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_map
 
 from minifsdp.distributed import comm
+from minifsdp.fsdp.flat_param import sync_all_gathers
 from minifsdp.fsdp2.param import FSDPParam, FSDPParamGroup
 
 
@@ -101,6 +102,8 @@ class _State:
     def pre_forward(self, module, args, kwargs):
         if self.root is None:
             self._lazy_init()
+        if self.root is self:  # on a GPU: the all-gathers read shards the compute stream last wrote
+            sync_all_gathers(self.group.params[0].padded.device if self.group.params else torch.device("cpu"))
         if self.root is self and torch.is_grad_enabled():
             self.order.clear()  # a new step
             for s in self.subtree:

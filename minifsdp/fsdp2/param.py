@@ -34,6 +34,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from minifsdp.distributed import comm
+from minifsdp.fsdp.flat_param import _side_stream
 
 
 # --8<-- [start:shard]
@@ -140,13 +141,14 @@ class FSDPParamGroup:
             return
         dtype = self.param_dtype or self.params[0].padded.dtype
         total = sum(p.padded_numel for p in self.params)
-        out = self.params[0].padded.new_empty(total * self.world_size, dtype=dtype)
-        inp = out[self.rank * total: (self.rank + 1) * total]  # in place: this rank's slot is the input
-        offset = 0
-        for p in self.params:
-            inp[offset: offset + p.padded_numel].copy_(p.padded.reshape(-1))  # (cast to param_dtype)
-            offset += p.padded_numel
-        handle = comm.all_gather(out, inp, async_op=True, tag=f"all_gather {self.name}", group=self.group)
+        with _side_stream("all_gather", self.params[0].padded, after_compute=False):  # (a GPU's: chapter 7)
+            out = self.params[0].padded.new_empty(total * self.world_size, dtype=dtype)
+            inp = out[self.rank * total: (self.rank + 1) * total]  # in place: this rank's slot is the input
+            offset = 0
+            for p in self.params:
+                inp[offset: offset + p.padded_numel].copy_(p.padded.reshape(-1))  # (cast to param_dtype)
+                offset += p.padded_numel
+            handle = comm.all_gather(out, inp, async_op=True, tag=f"all_gather {self.name}", group=self.group)
         self._gather = (out, handle)
         if not async_op:
             self.wait_for_unshard()
@@ -166,6 +168,8 @@ class FSDPParamGroup:
                 rows.view(-1).copy_(slots[q, offset: offset + rows.numel()])
             p.show(p.unsharded)  # the module computes with the whole parameter
             offset += p.padded_numel
+        if out.is_cuda:  # made on the all-gather stream, read by the copy-out on this one: free it after that
+            out.record_stream(torch.cuda.current_stream(out.device))
         comm.release(out)  # copied out: the all-gather's buffer goes now, not when gloo lets go of it
         self._gather, self.is_unsharded = None, True
     # --8<-- [end:unshard]
