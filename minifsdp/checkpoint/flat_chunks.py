@@ -99,3 +99,11 @@ def sharded_piece(local: torch.Tensor, shard_start: int, shard_numel: int, offse
     global_metadata = ShardedTensorMetadata(metadata, torch.Size(shape), properties)
     return ShardedTensor._init_from_local_shards_and_global_metadata(mine, global_metadata, process_group=group)
 # --8<-- [end:pieces]
+
+
+def flat_piece(local: torch.Tensor, shard_start: int, shard_numel: int, offset: int, shape, group=None,
+               sharded: bool = True):
+    """sharded_piece(), or, when every rank holds the whole flat buffer (FSDP's NO_SHARD), a plain view."""
+    if not sharded:
+        return local[offset: offset + math.prod(shape)].view(shape)
+    return sharded_piece(local, shard_start, shard_numel, offset, shape, group)

@@ -21,13 +21,12 @@ how a checkpoint from 4 FSDP ranks loads into 3 OSS ranks, or into a single proc
 
 from __future__ import annotations
 
-import math
 
 import torch
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-from minifsdp.checkpoint.flat_chunks import sharded_piece
+from minifsdp.checkpoint.flat_chunks import flat_piece
 from minifsdp.ddp.ddp import DistributedDataParallel
 from minifsdp.fsdp.fsdp import FullyShardedDataParallel
 from minifsdp.fsdp.state_dict import original_names, sharded_pieces
@@ -76,12 +75,8 @@ def _flat_pieces(names, shapes, offsets, start: int, chunk: int, group, sharded:
     holds [start, start + chunk): a ShardedTensor each (flat_chunks.py), or plain views when every rank
     holds the whole buffer (FSDP's NO_SHARD)."""
     def piece(shape, offset):
-        if not sharded:
-            return lambda t: t[offset: offset + math.prod(shape)].view(shape)
-        return lambda t: sharded_piece(t, start, chunk, offset, shape, group)
+        return lambda t: flat_piece(t, start, chunk, offset, shape, group, sharded)
     return [(name, piece(shape, offset)) for name, shape, offset in zip(names, shapes, offsets)]
-
-
 
 
 def model_state(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -171,16 +171,15 @@ def sharded_pieces(unit) -> dict:
     lies on one rank: a plain tensor there, absent elsewhere. Buffers and ignored parameters are whole, and
     so is everything under NO_SHARD."""
     # (imported here: the rest of minifsdp.checkpoint builds on this package)
-    from minifsdp.checkpoint.flat_chunks import sharded_piece
+    from minifsdp.checkpoint.flat_chunks import flat_piece
 
     _between_steps(unit)
     out = {prefix + name: t.detach() for prefix, m in names_without_wrappers(unit.module)
            for name, t in _plain_tensors(m)}
     for flat, _, every in original_names(unit):
         shard, start = flat.param.detach(), flat.rank * flat.shard_numel
-        made = [sharded_piece(shard, start, flat.shard_numel, offset, shape, flat.group) if flat.sharded
-                else shard[offset: offset + numel].view(shape)
-                for shape, offset, numel in zip(flat.shapes, flat.offsets, flat.numels)]
+        made = [flat_piece(shard, start, flat.shard_numel, offset, shape, flat.group, flat.sharded)
+                for shape, offset in zip(flat.shapes, flat.offsets)]
         out.update({name: made[i] for name, i in every if made[i] is not None})  # a tied one: under each name
     return out
 
