@@ -286,3 +286,15 @@ def test_gpu_check_says_so_without_a_gpu():
                          timeout=120, env=dict(os.environ, PYTHONPATH=REPO))
     assert out.returncode == 0, out.stderr
     assert "no CUDA GPU" in out.stdout
+
+
+def test_a_script_that_launches_unguarded_is_told_to_guard_it(tmp_path):
+    # each spawned rank imports the script to find `work`; without the __main__ guard it would launch again
+    script = tmp_path / "unguarded.py"
+    script.write_text("from minifsdp import launch\n\ndef work():\n    return 1\n\n"
+                      "print(launch(work, world_size=2, device='cpu'))\n")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    assert "launch() was called while a rank was importing the script" in out.stderr  # the rank's own error
+    assert "died before it could run the work" in out.stderr  # and the launcher's, naming the cause
+    assert 'if __name__ == "__main__":' in out.stderr.splitlines()[-1]

@@ -117,6 +117,11 @@ def launch(work: Callable[..., Any], world_size: int = 2, *, args: tuple = (), k
     """
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
+    if getattr(mp.current_process(), "_inheriting", False):
+        # a spawned rank imports the caller's script to find `work`; a call at the top level runs again there
+        raise RuntimeError(
+            "launch() was called while a rank was importing the script that calls it. Each rank starts as a "
+            "fresh process and imports that script, so the call must sit under `if __name__ == \"__main__\":`.")
     kwargs = kwargs or {}
     if backend == "fake":
         return [_run_fake(work, world_size, args, kwargs)]
@@ -183,6 +188,7 @@ def _rank_main(rank, world_size, device, port, payload, timeout, out_dir, failed
     """Body of one spawned process: join the group, run the work, leave a result (or a traceback) behind."""
     _become_rank(rank, world_size, port, failed_rank)
     _attach_stderr(out_dir, rank)
+    open(os.path.join(out_dir, f"rank{rank}.started"), "wb").close()  # past the import of the caller's script
     _run_work(rank, payload, out_dir, failed_rank, lambda: init_process_group(rank, world_size, device, timeout))
     # Leave together, and without tearing the group down: past the barrier no rank has a collective in
     # flight, and gloo's teardown can abort a process whose peers are exiting at the same moment.
@@ -218,6 +224,7 @@ def _pooled_rank_main(rank, world_size, device, port, timeout, failed_rank, conn
             os._exit(0)
         out_dir, payload = command
         _attach_stderr(out_dir, rank)
+        open(os.path.join(out_dir, f"rank{rank}.started"), "wb").close()
         _run_work(rank, payload, out_dir, failed_rank, join_group)
         try:
             dist.barrier()  # as a fresh rank leaves: no collective of this work is in flight past it
@@ -458,6 +465,10 @@ def _error_report(rank, exitcode, left, out_dir) -> tuple[str, str]:
         how = f"killed by signal {_SIGNAL_NAMES.get(-exitcode, -exitcode)}" if exitcode < 0 else \
             f"exited (code {exitcode})"
         message, tb = f"process {how} without returning a result", ""
+    if not tb.strip() and not os.path.exists(os.path.join(out_dir, f"rank{rank}.started")):
+        tb = (f"(rank {rank} died before it could run the work, most often while importing the script that "
+              "called launch(): its process's own error is printed above. A script must call launch() under "
+              "`if __name__ == \"__main__\":`.)")
     if not tb.strip():
         with open(os.path.join(out_dir, f"rank{rank}.stderr"), "rb") as f:
             tail = "\n".join(f.read().decode(errors="replace").splitlines()[-20:]) or "(nothing)"
