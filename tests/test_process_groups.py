@@ -37,6 +37,16 @@ def work():
     out["by_group"] = {g: dict(k) for g, k in counter.by_group.items()}
     out["sum_in_dp"] = t.tolist()
     out["broadcast_from_group_rank_1"] = src.item()
+
+    # point to point along a column of the mesh ({0, 2} and {1, 3}): group rank 0 sends to group rank 1
+    col = mesh.get_group("replica")
+    msg = torch.full((5,), float(comm.rank()))
+    with comm.counting() as counter:
+        if comm.rank(col) == 0:
+            comm.send(msg, 1, group=col)
+        else:
+            comm.recv(msg, 0, async_op=True, group=col).wait()
+    out["p2p"] = msg.tolist(), {g: dict(k) for g, k in counter.by_group.items()}
     return out
 
 
@@ -85,6 +95,14 @@ def test_counter_names_each_group(results):
 
 def test_collective_ranks_are_group_ranks(results):
     assert [res["broadcast_from_group_rank_1"] for res in results] == [1.0, 1.0, 3.0, 3.0]
+
+
+def test_send_and_recv_use_group_ranks_and_the_sender_counts_the_bytes(results):
+    for rank, res in enumerate(results):
+        received, by_group = res["p2p"]
+        sender = rank % 2  # the first rank of this rank's column
+        assert received == [float(sender)] * 5
+        assert by_group == ({"replica": {"send": 5 * 4}} if rank < 2 else {"replica": {"recv": 0.0}})
 
 
 def mesh_of_the_wrong_size():

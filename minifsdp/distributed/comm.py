@@ -250,7 +250,8 @@ _issued: collections.Counter = collections.Counter()  # group name -> collective
 def _issue(kind: str, nbytes: int, call, async_op: bool, tag: str, group, device=None):
     """Count, call, and (for a blocking call) wait: the bookkeeping every collective shares."""
     n = world_size(group)
-    sent = ring_bytes(kind, nbytes, n) if kind != "object" else nbytes * (n - 1)
+    sent = {"object": nbytes * (n - 1), "send": nbytes, "recv": 0}.get(kind) if kind in ("object", "send", "recv") \
+        else ring_bytes(kind, nbytes, n)
     issued = time.perf_counter()
     start, not_before = _link.schedule(issued, sent) if _link is not None else (issued, 0.0)
     events, name = [], group_name(group)
@@ -332,6 +333,26 @@ def reduce(tensor: torch.Tensor, dst: int, op=ReduceOp.SUM, async_op: bool = Fal
     return _issue("reduce", _nbytes(tensor),
                   lambda async_op: dist.reduce(tensor, group=group, group_dst=dst, op=op, async_op=async_op),
                   async_op, tag, group, tensor.device)
+
+
+def _global(group, group_rank: int) -> int:
+    return group_rank if group is None else dist.get_global_rank(group, group_rank)
+
+
+def send(tensor: torch.Tensor, dst: int, async_op: bool = False, tag: str = "", group=None):
+    """Point to point: `tensor` goes to rank `dst` (of the group), which must post the matching recv. Counted
+    as `tensor`'s bytes sent by this rank (a pipeline stage passing activations on, chapter 12)."""
+    return _issue("send", _nbytes(tensor),
+                  lambda async_op: dist.isend(tensor, dst=_global(group, dst), group=group), async_op, tag, group,
+                  tensor.device)
+
+
+def recv(tensor: torch.Tensor, src: int, async_op: bool = False, tag: str = "", group=None):
+    """Point to point: `tensor` is filled with what rank `src` (of the group) sends. Counted as a call, with no
+    bytes: the sender counts them."""
+    return _issue("recv", _nbytes(tensor),
+                  lambda async_op: dist.irecv(tensor, src=_global(group, src), group=group), async_op, tag, group,
+                  tensor.device)
 
 
 def release(tensor: torch.Tensor) -> None:
