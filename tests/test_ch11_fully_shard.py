@@ -25,6 +25,8 @@ Tolerances, and why:
 - Meta-device init (build under torch.device("meta"), fully_shard, to_empty, distribute_tensor of each full
   tensor into each parameter, optimizer after; also with model.unshard() before each forward, the first
   included): the same bits as the eagerly built model; under torch's fully_shard too, so the script is right.
+  And with each module's own reset_parameters() after to_empty (the uneven model, where some ranks hold an
+  empty shard): the same bits as torch's fully_shard, before and after training.
 - Memory (a GPT with 4 blocks, N = 2, AdamW, the step after 2 warm-up steps, minifsdp.MemoryMeter with each
   design's unsharded-parameter buffers watched): minifsdp's peak per rank <= torch's. Measured 2,213,960 vs
   2,258,248 bytes on each rank; both peak early in backward, where minifsdp holds one block's full parameters
@@ -35,6 +37,7 @@ it measured (the full state is the same on every rank; the losses are each rank'
 """
 
 import contextlib
+import warnings
 
 import pytest
 import torch
@@ -214,6 +217,25 @@ def meta_run(impl, opt_name, unshard):
     return train(model, "gpt", opt, before_forward=model.unshard if unshard else None), full_state(model), tied
 
 
+def meta_reset_run(impl):
+    """The other meta-device recipe: to_empty, then each module's own reset_parameters() on its DTensor
+    parameters, from one seed. The uneven model: at N = 2 and 4 some ranks hold no row of `gain`, whose shard
+    is then empty on the meta device and off it."""
+    with torch.device("meta"):
+        net = Uneven()
+    model = shard(net, impl)
+    model.to_empty(device="cpu")
+    torch.manual_seed(5)
+    for m in model.modules():
+        if m is not model and hasattr(m, "reset_parameters"):
+            m.reset_parameters()
+    with torch.no_grad():
+        model.gain.fill_(1.0)
+    initial = full_state(model)
+    losses = train(model, "uneven", OPTIMIZERS["adamw"](model.parameters()))
+    return losses, {**{"initial." + k: v for k, v in initial.items()}, **full_state(model)}
+
+
 def accumulation_run(kind, steps=2):
     """MICRO micro-batches a step: set_requires_gradient_sync(False) (DDP: no_sync()) for all but the last."""
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -360,6 +382,9 @@ def rank_cases():
             losses, params, tied = meta_run(impl, "adamw", unshard)
             out[("meta", impl, unshard)] = diff((losses, params), run("ours", "gpt", "adamw", "raf"))
             out[("meta_tied", impl, unshard)] = tied
+    with warnings.catch_warnings():  # DTensor's random ops on a CPU mesh: each rank draws for its own shard
+        warnings.simplefilter("ignore", UserWarning)
+        out["meta_reset"] = diff(meta_reset_run("ours"), meta_reset_run("torch"))
     ours, theirs, ddp = (accumulation_run(kind) for kind in ("ours", "torch", "ddp"))
     out[("accumulation", "torch")], out[("accumulation", "ddp")] = diff(ours, theirs), diff(ours, ddp)
     ours, theirs = clip_run("ours"), clip_run("torch")
@@ -410,6 +435,12 @@ def test_mixed_precision_as_torch(ranks, n, policy):
 def test_meta_device_init_equals_eager(ranks, n, impl, unshard):
     for d, tied in zip(each_rank(ranks, n, ("meta", impl, unshard)), each_rank(ranks, n, ("meta_tied", impl, unshard))):
         assert tied  # to_empty kept the embedding and the head one parameter
+        assert d == {"losses": 0.0, "params": 0.0}
+
+
+@pytest.mark.parametrize("n", WORLD_SIZES)
+def test_meta_device_init_with_reset_parameters_as_torch(ranks, n):
+    for d in each_rank(ranks, n, "meta_reset"):
         assert d == {"losses": 0.0, "params": 0.0}
 
 

@@ -91,6 +91,7 @@ class FSDPParam:
             module._parameters[name] = param
     # --8<-- [end:shard]
 
+    # --8<-- [start:refresh]
     def refresh_sharded(self) -> None:
         """The module's DTensor parameter may have been given new memory since fully_shard (module.to_empty()
         after a meta-device build): take its data as this rank's shard again, keeping the Parameter object
@@ -100,13 +101,17 @@ class FSDPParam:
         if param is self.unsharded:  # shown by an unshard() before the first forward: not a replacement
             return
         local = param.to_local() if isinstance(param, DTensor) else param
-        if param is self.sharded and local.untyped_storage().data_ptr() == self.padded.untyped_storage().data_ptr():
+        # (a rank with no rows of it holds an empty shard, whose data_ptr is 0 on the meta device and off it:
+        # the device tells those apart)
+        if param is self.sharded and local.device == self.padded.device and \
+                local.untyped_storage().data_ptr() == self.padded.untyped_storage().data_ptr():
             return
         padded = local.new_zeros((self.rows,) + tuple(self.shape[1:]))
         padded[: self.length].copy_(local.detach())
         self.padded, self.sharded = padded, param
         param._local_tensor = padded[: self.length]  # (a DTensor's data is its local tensor)
         self.show(param)
+    # --8<-- [end:refresh]
 
     @property
     def padded_numel(self) -> int:
