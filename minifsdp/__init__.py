@@ -7,7 +7,10 @@ The package, one sub-package per idea:
     ddp/          chapter 1: collectives and DistributedDataParallel
     zero/         chapters 3-4: ZeRO-1 and ZeRO-2 (OSS, ShardedDataParallel, and the flat design)
     fsdp/         chapters 5-10: ZeRO-3 (FlatParameter, the runtime, prefetch, training options)
-    measure/      chapters 2, 7: the meter, the analytic model, timelines (they observe; nothing above
+    checkpoint/   chapter 10: save and load every strategy through torch.distributed.checkpoint
+    fsdp2/        chapter 11: fully_shard, per-parameter sharding on DTensor; replicate; HSDP
+    parallel/     chapter 12: Megatron tensor and sequence parallelism, pipeline schedules
+    measure/      chapters 2, 7, 12: the meter, the analytic model, timelines (they observe; nothing above
                   imports them)
     reports/      the tour and every chapter's report
     course/       student copies and grading
@@ -22,6 +25,8 @@ from minifsdp.mixed_precision import CPUOffload, MixedPrecision, ShardedGradScal
 from minifsdp.models import GPTConfig, TinyGPT, ToyModel, gpt_batch, toy_batch
 from minifsdp.state_dict import get_full_state_dict, set_full_state_dict
 from minifsdp.zero import OSS, SDP, FlatOSS, FlatShardedDataParallel, ShardedDataParallel
+from minifsdp.parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
+                               vocab_parallel_cross_entropy)
 
 __version__ = "0.1.0"
 
@@ -29,4 +34,5 @@ __all__ = ["BackwardPrefetch", "CPUOffload", "MixedPrecision", "ShardedGradScale
            "DistributedDataParallel", "FSDP", "FlatOSS", "FlatShardedDataParallel", "FullyShardedDataParallel",
            "ModuleWrapPolicy", "SizeBasedWrapPolicy", "get_full_state_dict", "set_full_state_dict", "GPTConfig",
            "MemoryMeter", "OSS", "RankFailedError", "SDP", "ShardedDataParallel", "TinyGPT", "ToyModel",
-           "all_reduce_by_parts", "analytic", "comm", "current_device", "gpt_batch", "launch", "rank_pool", "toy_batch"]
+           "all_reduce_by_parts", "analytic", "comm", "current_device", "gpt_batch", "launch", "rank_pool", "toy_batch",
+           "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "vocab_parallel_cross_entropy"]

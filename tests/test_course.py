@@ -373,8 +373,12 @@ def _remove_and_run(exercise, tmp: Path):
     write_student_copy(REPO, copy, only=exercise.id)
     if exercise.chapter not in chapter_test_files(copy):
         return copy, None, None
+    # the chapter's test file named after the exercise's module first (oss.py -> test_ch03_oss.py), else after
+    # its package (parallel/mappings.py -> test_ch12_tensor_parallel.py)
+    names = [f.name for f in chapter_test_files(copy)[exercise.chapter]]
+    first = next((w for w in (exercise.path.stem, exercise.path.parent.name) if any(w in n for n in names)), None)
     returncode, counts = run_chapter_tests(copy, exercise.chapter, extra_args=("-x",), timeout=REMOVAL_TIMEOUT,
-                                           first=exercise.path.stem)  # e.g. oss.py -> test_ch03_oss.py
+                                           first=first)
     return copy, returncode, counts
 
 
