@@ -31,6 +31,9 @@ figures:          ## regenerate every figure and table the chapters include
 	$(PY) -m minifsdp state-dict-memory --world-sizes 2 4 --markdown chapters/generated/state_dict_memory.md
 	$(PY) -m minifsdp checkpoints --world-sizes 1 2 3 4 --markdown chapters/generated/checkpoints.md --plot chapters/figures/reshard.png
 	$(PY) -m minifsdp fsdp2 --world-sizes 2 4 --markdown chapters/generated/fsdp2.md
+	$(PY) -m minifsdp parallel --parts tp --markdown chapters/generated/parallel_tp.md
+	$(PY) -m minifsdp parallel --parts pp --markdown chapters/generated/parallel_pp.md --plot chapters/figures/pipeline_gantt.png
+	$(PY) -m minifsdp parallel --parts compare --markdown chapters/generated/parallel_compare.md
 	$(PY) -m minifsdp parity --world-sizes 1 2 3 4 --markdown chapters/generated/parity.md
 	grep -cvE '^\s*(#|$$)' minifsdp/ddp/ddp.py minifsdp/zero/oss.py minifsdp/zero/sdp.py minifsdp/zero/flat.py minifsdp/zero/flat_sdp.py > chapters/generated/loc.txt
 

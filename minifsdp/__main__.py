@@ -12,6 +12,7 @@
     python -m minifsdp checkpoints [--world-sizes 1 2 3 4]                  chapter 10: checkpoint size and time
     python -m minifsdp state-dict-memory [--world-sizes 2 4]                chapter 10: the memory of a full state dict
     python -m minifsdp fsdp2 [--world-sizes 2 4]                            chapter 11: FlatParameter vs fully_shard vs torch's
+    python -m minifsdp parallel [--parts tp pp compare] [--plot PNG]        chapter 12: TP and SP, pipeline schedules, TP vs PP vs DP
     python -m minifsdp parity [--world-sizes 1 2 3 4]                       chapter 6: parity of every strategy vs torch
     python -m minifsdp gpu-check [--markdown PATH]                          every strategy on NCCL (GPUs only)
     python -m minifsdp demo [--world-size 3]                                all-reduce = reduce-scatter + all-gather
@@ -101,6 +102,13 @@ def main(argv: list[str] | None = None) -> int:
     f2.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
     f2.add_argument("--markdown", default=None)
 
+    par = sub.add_parser("parallel", help="chapter 12: tensor and sequence parallelism at t = 1, 2, 4; the pipeline "
+                                          "schedules' bubbles; DDP, FSDP, TP, PP and their compositions on 4 ranks")
+    par.add_argument("--parts", nargs="+", default=["tp", "pp", "compare"], choices=["tp", "pp", "compare"])
+    par.add_argument("--markdown", default=None, help="a file (one part), a directory (DIR/parallel_<part>.md) or a "
+                                                      "prefix (PREFIX_<part>.md)")
+    par.add_argument("--plot", default="pipeline_gantt.png", help="where the pipeline part draws its Gantt chart")
+
     parity = sub.add_parser("parity", help="the parity matrix: every strategy on odd, tied, frozen, unused, BatchNorm, "
                                            "reused and float64 models vs torch's DDP (or FSDP1), at each world size")
     parity.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2, 3, 4])
@@ -161,6 +169,9 @@ def main(argv: list[str] | None = None) -> int:
     elif args.command == "fsdp2":
         from minifsdp.reports.fsdp2 import run_fsdp2_report
         run_fsdp2_report(world_sizes=args.world_sizes, markdown=args.markdown)
+    elif args.command == "parallel":
+        from minifsdp.reports.parallel import run_parallel_report
+        run_parallel_report(parts=args.parts, markdown=args.markdown, plot=args.plot)
     elif args.command == "parity":
         from minifsdp.reports.parity import run_parity_report
         return run_parity_report(world_sizes=args.world_sizes, markdown=args.markdown)

@@ -19,7 +19,8 @@ Bytes per step, on each group, against the formulas (b = 4 sequences per replica
 - DP x TP: the "tp" group sends chapter 12's tensor-parallel bytes for b = 4 (the same as tests/test_ch12_tensor
   _parallel.py: 109,056 with sequence parallelism, 82,688 without, at t = 2); the "dp" group sends the
   data-parallel wrapper's bytes of this rank's slices: DDP one all-reduce, 2 * 4 * psi_local * (d-1)/d; FSDP
-  all-gathers twice and reduce-scatters once its flat (padded) parameters.
+  (one unit, the root, which keeps its parameters from forward to backward) all-gathers once and
+  reduce-scatters once its flat parameter.
 - PP x DP: the "pp" group sends each micro-batch's activation and gradient across the boundary (the pipeline
   tests' count) and the tied embedding's exchange; the "dp" group one all-reduce of the stages' gradients,
   2 * 4 * psi_stage * (d-1)/d.

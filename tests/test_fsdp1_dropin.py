@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy as TorchModuleWrapPolicy
 from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
@@ -104,6 +105,45 @@ def train(model, optimizer):
     return losses
 
 
+# summon_full_params as a PyTorch FSDP1 user reads and edits a model through it: (nested units?, strategy)
+SUMMON_RUNS = [(False, "FULL_SHARD"), (True, "FULL_SHARD"), (True, "NO_SHARD")]
+
+
+def summon_script(lib_name, nested, strategy):
+    lib = importlib.import_module(lib_name)
+    FSDP = lib.FullyShardedDataParallel
+
+    def wrap():
+        return FSDP(Net(), auto_wrap_policy=TorchModuleWrapPolicy({Block}) if nested else None,
+                    sharding_strategy=getattr(lib.ShardingStrategy, strategy), device_id=torch.device("cpu"))
+
+    def listed(module):  # (the flat parameters' names differ: torch's `_flat_param` is our `flat_param_0`)
+        return [(n.replace("_flat_param", "flat_param_0"), tuple(p.shape) if "flat_param" not in n else None,
+                 type(p).__name__) for n, p in module.named_parameters()]
+
+    model, out = wrap(), {}
+    with FSDP.summon_full_params(model, writeback=False):
+        out["named"], out["inner named"] = listed(model), listed(model.module)
+        out["values"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+        out["state dict"] = {k: v.clone() for k, v in model.state_dict().items()}
+        out["named after state dict"] = listed(model)
+    out["named outside"] = listed(model)
+    with FSDP.summon_full_params(model, writeback=False, rank0_only=True):
+        out["rank0_only"] = listed(model)
+    with FSDP.summon_full_params(model, writeback=False, recurse=False):
+        out["recurse=False"] = listed(model)
+    out["losses"], out["losses without summon"] = train(model, "sgd"), train(wrap(), "sgd")
+    out["before edit"] = {k: v.clone() for k, v in model.state_dict().items()}
+    with FSDP.summon_full_params(model):
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name in ("blocks.0.fc.weight", "head.bias"):
+                    p.mul_(-2.0)
+        out["state dict edited"] = {k: v.clone() for k, v in model.state_dict().items()}
+    out["after edit"] = {k: v.clone() for k, v in model.state_dict().items()}
+    return out
+
+
 def ddp_script(optimizer="sgd"):
     """The same training under torch's DDP: the oracle."""
     net = Net()
@@ -136,6 +176,12 @@ def surface_cases(tmp):
         out[(lib, "SHARD_GRAD_OP")] = fsdp1_script(lib, "sgd", "SHARD_GRAD_OP", path=f"{tmp}/{lib}-sgo-{world}.pt")
         out[(lib, "NO_SHARD")] = fsdp1_script(lib, "sgd", "NO_SHARD", path=f"{tmp}/{lib}-ns-{world}.pt")
     out["ddp", "sgd"], out["ddp", "adamw"] = ddp_script("sgd"), ddp_script("adamw")
+    for lib in ("torch.distributed.fsdp", "minifsdp.fsdp"):
+        for run in SUMMON_RUNS:  # (a failure here is this feature's: kept for its test, not raised)
+            try:
+                out["summon", lib, run] = summon_script(lib, *run)
+            except Exception as e:  # noqa: BLE001
+                out["summon", lib, run] = {"error": f"{type(e).__name__}: {e}"}
 
     # strategies: what stays unsharded after forward, and what is sent
     policy = ModuleWrapPolicy({Block})
@@ -202,11 +248,19 @@ def surface_cases(tmp):
         out["recurse=False"] = (inner.head.weight.numel(), inner.blocks[0].fc.weight.numel())
     with FSDP.summon_full_params(model, writeback=False, offload_to_cpu=True):
         out["offloaded device"] = inner.head.weight.device.type
+    with FSDP.summon_full_params(model, offload_to_cpu=True):  # (torch's FSDP1 cannot offload CPU shards)
+        out["offloaded named"] = [(n, type(p).__name__) for n, p in model.named_parameters()]
+        for name, p in model.named_parameters():
+            if name == "blocks.1.fc.bias":
+                p.fill_(3.0)
+    with FSDP.summon_full_params(model, writeback=False):
+        out["offloaded edit"] = inner.blocks[1].fc.bias.clone()
     out["rank0_only writeback"] = error_of(lambda: FSDP.summon_full_params(model, rank0_only=True).__enter__())
     x, y = data(0, 0, rank, world)
     F.mse_loss(model(x), y).backward()
     with FSDP.summon_full_params(model, writeback=False, with_grads=True):
         out["grads"] = {"head.weight": inner.head.weight.grad.clone(), "blocks.1.fc.bias": inner.blocks[1].fc.bias.grad.clone()}
+        out["named grads"] = {n: p.grad.clone() for n, p in model.named_parameters() if n in out["grads"]}
     same = Net()
     same.load_state_dict(model.state_dict())  # the weights summon_full_params wrote back above
     reference = TorchDDP(same)
@@ -330,12 +384,48 @@ def test_summon_full_params_takes_pytorchs_arguments(ranks, n):
         assert res["rank0_only numel"] == (169 if r == 0 else 0)
         assert res["recurse=False"] == (39, 0)  # the root's own (head) only; blocks.0 is a unit of its own
         assert res["offloaded device"] == "cpu"
+        assert res["offloaded named"] == [(name, "Parameter") for name, _ in Net().named_parameters()]
+        assert res["offloaded edit"].tolist() == [3.0] * 13  # written back from the host copy
         assert "rank0_only=True, writeback=True" in res["rank0_only writeback"]
         assert max_abs_diff(res["grads"], res["ddp grads"]) <= (0.0 if n == 2 else 1e-6)
+        assert max_abs_diff(res["named grads"], res["grads"]) == 0.0
         assert res["fsdp_modules"] == (3, 1, 3)
         for strategy in ("FULL_SHARD", "NO_SHARD"):
             ours, theirs, grad_diff = res["clip", strategy]
             assert ours == pytest.approx(theirs, rel=1e-6) and theirs > 0.01 and grad_diff <= 1e-7, strategy
+
+
+@pytest.mark.parametrize("run", SUMMON_RUNS, ids=["flat", "nested", "nested-NO_SHARD"])
+@pytest.mark.parametrize("n", (2, 3))
+def test_summon_full_params_shows_the_original_parameters_as_pytorchs(ranks, n, run):
+    """Inside the block model.named_parameters() gives the originals, as nn.Parameters under the names before
+    wrapping, and state_dict() works there; edits made through them are written back; training afterwards
+    is what it would have been without the block."""
+    for r in range(n):
+        ours, theirs = ranks[n][r]["summon", "minifsdp.fsdp", run], ranks[n][r]["summon", "torch.distributed.fsdp", run]
+        assert "error" not in ours and "error" not in theirs, ours.get("error") or theirs.get("error")
+        assert ours["named"] == theirs["named"] and ("blocks.0.fc.weight", (13, 13), "Parameter") in ours["named"]
+        assert [name for name, _, _ in ours["named"]] == [name for name, _ in Net().named_parameters()]
+        if not run[0]:  # the wrapped module's own names (nested, the wrappers' attribute names differ)
+            assert ours["inner named"] == theirs["inner named"] == ours["named"]
+        assert max_abs_diff(ours["values"], theirs["values"]) == 0.0
+        assert max_abs_diff(ours["values"], Net().state_dict()) == 0.0
+        assert max_abs_diff(ours["state dict"], theirs["state dict"]) == 0.0  # (inside the block, both)
+        assert ours["named after state dict"] == ours["named"]  # the state dict left the block's units alone
+        assert all(name.endswith("flat_param_0") for name, _, _ in ours["named outside"])
+        # rank0_only: the other ranks hold their shards inside the block, and list the flat parameters
+        assert ours["rank0_only"] == theirs["rank0_only"]
+        flat_only = all(name.endswith("flat_param_0") for name, _, _ in ours["rank0_only"])
+        assert (ours["rank0_only"] == ours["named"]) if r == 0 else flat_only
+        # recurse=False: the root's own originals, and the nested units' flat parameters
+        assert ours["recurse=False"] == theirs["recurse=False"]
+        assert ours["losses"] == ours["losses without summon"]
+        assert ours["losses"] == pytest.approx(theirs["losses"], abs=1e-6)
+        assert max_abs_diff(ours["state dict edited"], ours["after edit"]) == 0.0  # the edit is written back ...
+        assert max_abs_diff(ours["after edit"], theirs["after edit"]) <= 1e-6       # ... as torch's FSDP1 writes it
+        edited = {k: v * (-2.0 if k in ("blocks.0.fc.weight", "head.bias") else 1.0)
+                  for k, v in ours["before edit"].items()}
+        assert max_abs_diff(ours["after edit"], edited) == 0.0
 
 
 @pytest.mark.parametrize("n", (2, 3))

@@ -5,6 +5,7 @@ fork start method), so running them under nbclient also checks that `minifsdp.la
 notebook. A failing cell fails the test with that cell's source and traceback.
 """
 
+import os
 import re
 from pathlib import Path
 
@@ -20,17 +21,34 @@ CELL_TIMEOUT = 300  # seconds; on a 2-core CPU each notebook takes well under a 
 ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")  # IPython colours its tracebacks
 
 
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
-def test_notebook_runs(path, monkeypatch):
-    monkeypatch.setenv("MPLBACKEND", "Agg")  # the kernel inherits it: plots render without a display
+def _execute(path: Path) -> str | None:
+    """Run one notebook in a fresh kernel: None, or what the failing cell raised."""
     nb = nbformat.read(path, as_version=4)
     client = nbclient.NotebookClient(nb, timeout=CELL_TIMEOUT, kernel_name="python3",
                                      resources={"metadata": {"path": str(NOTEBOOKS_DIR)}})
     try:
         client.execute()
     except CellExecutionError as e:
-        pytest.fail(f"{path.name}: a cell raised\n{ANSI_ESCAPE.sub('', str(e))}", pytrace=False)
+        return ANSI_ESCAPE.sub("", str(e))
+    return None
+
+
+@pytest.fixture(scope="module")
+def executed():
+    """Every notebook, two at a time: much of a notebook's time is a kernel starting and importing torch,
+    one core's work, so two share this machine's two cores better than one does."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    os.environ["MPLBACKEND"] = "Agg"  # the kernels inherit it: plots render without a display
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return dict(zip(NOTEBOOKS, pool.map(_execute, NOTEBOOKS)))
+
+
+@pytest.mark.timeout(len(NOTEBOOKS) * 300)
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
+def test_notebook_runs(path, executed):
+    if executed[path] is not None:
+        pytest.fail(f"{path.name}: a cell raised\n{executed[path]}", pytrace=False)
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])

@@ -176,15 +176,22 @@ def summon_full_params(module: nn.Module, recurse: bool = True, writeback: bool 
     """Inside the block every original parameter under `module` holds its full value (the fp32 masters under
     mixed precision); with writeback, changes made to them are kept (each rank copies its slice back).
 
+    As in PyTorch, the originals are registered nn.Parameters inside the block, and the flat parameters are
+    not: model.named_parameters() gives the names the model had before wrapping, with the full values. (List
+    them, do not build an optimizer over them: they are gone when the block ends.) No forward or backward
+    inside the block.
+
     recurse=False: only the outermost units' own parameters. rank0_only: every rank takes part in the
     all-gathers, but only rank 0 keeps the full values (the others are back to their shards inside the
-    block). offload_to_cpu: the originals show host copies (the device buffers stay allocated inside the
-    block: a write-back copies them in). with_grads: the gradients are all-gathered too, into each original's .grad."""
+    block, and list their flat parameters). offload_to_cpu: the originals show host copies (the device buffers
+    stay allocated inside the block: a write-back copies them in). with_grads: the gradients are all-gathered
+    too, into each original's .grad."""
     if rank0_only and writeback:
         raise ValueError("summon_full_params(rank0_only=True, writeback=True): the other ranks would have "
                          "nothing to write back; pass writeback=False")
     roots = fsdp_modules(module, root_only=True)
-    units = [u for root in roots for u in (root.units() if recurse else [root])]
+    # a unit an enclosing block holds already is left to that block, as PyTorch leaves it
+    units = [u for root in roots for u in (root.units() if recurse else [root]) if not u._summoned]
     flats = [flat for unit in units for flat in unit.flat_params]
     keep = not rank0_only or comm.rank() == 0
     for root in roots:
@@ -196,17 +203,24 @@ def summon_full_params(module: nn.Module, recurse: bool = True, writeback: bool 
         grads = [_all_gather_grad(flat) for flat in flats] if with_grads else []
         copies = [_show_copies(flat, offload_to_cpu, grads[i] if with_grads else None) if keep else None
                   for i, flat in enumerate(flats)]
-        if not keep:
+        if keep:
+            _register_originals(units, originals=True)
+        else:
             for flat in flats:
                 flat.reshard()
+        for unit in units:
+            unit._summoned = True
         try:
             yield
         finally:
+            for unit in units:
+                unit._summoned = False
+            if keep:  # before the reshard: a plain tensor cannot be assigned to a registered parameter's name
+                _register_originals(units, originals=False)
             for flat, shown in zip(flats, copies):
-                if writeback and shown:
+                if writeback and offload_to_cpu and shown:
                     for view, copy in shown:  # an offloaded copy goes back into the full buffer first
-                        if copy is not view:
-                            view.copy_(copy)
+                        view.copy_(copy)
                 if writeback:
                     flat.write_back_shard()
                 flat.reshard()
@@ -224,22 +238,60 @@ def _all_gather_grad(flat) -> torch.Tensor | None:
 
 
 def _show_copies(flat, offload_to_cpu: bool, full_grad) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Point each original at what the caller should see: its view into the full buffer, or a host copy
-    of it; with its gradient's view in .grad. Returns (view, shown) pairs for the write-back."""
+    """Register each original as an nn.Parameter holding what the caller should see: its view into the full
+    buffer (the same memory, so edits reach it), or a host copy of it; with its gradient's view in .grad.
+    Returns (view, shown) pairs for the write-back."""
     pairs, shown_for = [], {}
     for (module, name), i in zip(flat.places, flat.index):
         if i not in shown_for:
             view = getattr(module, name)
-            shown = view.detach().cpu() if offload_to_cpu else view
-            if full_grad is not None:  # a leaf of its own, so that .grad is an ordinary attribute
-                shown = shown.detach().requires_grad_(flat.param.requires_grad)
+            shown = nn.Parameter(view.detach().cpu() if offload_to_cpu else view.detach(),
+                                 requires_grad=flat.param.requires_grad)
+            shown._summoned_original = True  # a unit's, not one no unit owns (state_dict.py)
+            if full_grad is not None:
                 offset, numel = flat.offsets[i], flat.numels[i]
-                shown.grad = full_grad[offset: offset + numel].view(flat.shapes[i])
-                shown.grad = shown.grad.cpu() if offload_to_cpu else shown.grad
+                grad = full_grad[offset: offset + numel].view(flat.shapes[i])
+                shown.grad = grad.cpu() if offload_to_cpu else grad
             shown_for[i] = shown
             pairs.append((view, shown))
-        setattr(module, name, shown_for[i])
+        setattr(module, name, shown_for[i])  # a tied parameter: the same one at each of its places
     return pairs
+
+
+def _register_originals(units, originals: bool) -> None:
+    """True: the flat parameters leave their units' parameters (_show_copies registered the originals in
+    their place). False: the flat parameters are back, and the originals are unregistered, so that reshard()
+    can set them to empty tensors again."""
+    for unit in units:
+        for i, flat in enumerate(unit.flat_params):
+            if originals:
+                del unit._parameters[f"flat_param_{i}"]
+                continue
+            for module, name in flat.places:
+                delattr(module, name)
+            unit._parameters[f"flat_param_{i}"] = flat.param
+
+
+def names_before_wrapping(unit: nn.Module, named, prefix: str = ""):
+    """nn.Module's (name, tensor) pairs from `unit`, under the names the model had before wrapping: each
+    unit's `module.` step dropped, as PyTorch drops its `_fsdp_wrapped_module.` (along the tree, not by text:
+    a model may have a submodule called `module` of its own)."""
+    def join(a, b):
+        return f"{a}.{b}" if a else b
+
+    before = {}  # each module's name as nn.Module gives it -> its name before wrapping
+
+    def walk(m, name, clean):
+        before[name] = clean
+        for child_name, child in m._modules.items():
+            if child is not None:
+                wrapper_step = is_unit(m) and child_name == "module"
+                walk(child, join(name, child_name), clean if wrapper_step else join(clean, child_name))
+
+    walk(unit, prefix, prefix)
+    for name, t in named:
+        owner, _, leaf = name.rpartition(".")
+        yield join(before[owner], leaf), t
 
 
 # -- state dicts ------------------------------------------------------------------------------------------------
@@ -279,6 +331,7 @@ def state_dict(unit, destination=None, prefix: str = "", keep_vars: bool = False
         out = {prefix + k: v for k, v in out.items()}
     else:
         if kind is StateDictType.LOCAL_STATE_DICT:
+            state_dicts._between_steps(unit, kind.name)
             out = nn.Module.state_dict(unit, prefix=prefix, keep_vars=keep_vars)
         elif getattr(config, "_use_dtensor", False):
             out = {prefix + k: v for k, v in state_dicts.sharded_dtensors(unit).items()}
@@ -296,6 +349,7 @@ def load_state_dict(unit, state_dict_: dict, strict: bool = True):
     """Load a state dict of the unit's current type; FULL and SHARDED are checked before anything is written."""
     kind = unit._state_dict_type
     if kind is StateDictType.LOCAL_STATE_DICT:
+        state_dicts._between_steps(unit, kind.name)
         return nn.Module.load_state_dict(unit, state_dict_, strict)
     if kind is StateDictType.SHARDED_STATE_DICT:
         if not any(hasattr(v, "full_tensor") for v in state_dict_.values()):

@@ -127,6 +127,7 @@ class FullyShardedDataParallel(nn.Module):
             ignored._fsdp_ignored = True
         self.process_group, self.shard = process_group, shard
         self.reshard_after_forward = reshard_after_forward
+        self._summoned = False  # inside summon_full_params (api.py)
         self._state_dict_type, self._state_dict_config = api.StateDictType.FULL_STATE_DICT, api.FullStateDictConfig()
         self.backward_prefetch, self.forward_prefetch = backward_prefetch, forward_prefetch
         deferred = any(t.is_meta for t in list(module.parameters()) + list(module.buffers()))
@@ -223,6 +224,16 @@ class FullyShardedDataParallel(nn.Module):
     def __getitem__(self, key):  # a wrapped nn.Sequential still indexes
         return self.module[key]
 
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        """Inside summon_full_params, the original parameters under their names before wrapping, as in PyTorch."""
+        named = super().named_parameters(prefix, recurse, remove_duplicate)
+        return api.names_before_wrapping(self, named, prefix) if self._summoned else named
+
+    def named_buffers(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        """Inside summon_full_params, under the names before wrapping too."""
+        named = super().named_buffers(prefix, recurse, remove_duplicate)
+        return api.names_before_wrapping(self, named, prefix) if self._summoned else named
+
     # -- forward ----------------------------------------------------------------------------------------------
     @property
     def is_root(self) -> bool:
@@ -230,6 +241,9 @@ class FullyShardedDataParallel(nn.Module):
 
     # --8<-- [start:forward]
     def forward(self, *args, **kwargs):
+        if self._summoned:  # its originals are registered parameters: the runtime could not set its views
+            raise RuntimeError("forward inside summon_full_params(): leave the block first (as in PyTorch, "
+                               "summon_full_params is for use between steps)")
         root = self._root_unit
         root._order.record("forward", self)
         if self.is_root:

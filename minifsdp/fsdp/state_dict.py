@@ -27,8 +27,17 @@ from minifsdp.fsdp.wrap import names_without_wrappers
 
 # --8<-- [start:state_dict]
 @contextlib.contextmanager
-def unsharded(flat):
-    """Inside the block, this one FlatParameter's originals are views into its full fp32 parameters."""
+def unsharded(flat, summoned: bool = False):
+    """Inside the block, this one FlatParameter's originals are views into its full fp32 parameters.
+
+    summoned: its unit is inside summon_full_params, which has gathered it on every rank already: the values
+    are those shown there (edits included), and that block, not this one, reshards them."""
+    if summoned:
+        if not flat.is_unsharded:
+            raise RuntimeError("inside summon_full_params(rank0_only=True) only rank 0 holds the full "
+                               "parameters: take the full state dict on rank 0 only")
+        yield
+        return
     with flat.full_precision():  # the fp32 masters, not their bf16 cast (chapter 8)
         flat.unshard()
         try:
@@ -49,7 +58,7 @@ def each_full_tensor(root):
     sync_all_gathers(root.device)  # the shards may have just been written (a step, a load)
     for unit in root.units():
         for flat in unit.flat_params:
-            with unsharded(flat):
+            with unsharded(flat, unit._summoned):
                 for module, name in flat.places:  # a tied parameter: under each of its names
                     yield names[id(module)] + name, getattr(module, name).detach()
 
@@ -66,9 +75,11 @@ def full_state_dict(root, offload_to_cpu: bool = False, rank0_only: bool = False
     return out
 def _plain_tensors(m):
     """A module's persistent buffers, and the parameters no unit flattened (ignored_modules'), by name: with
-    the flattened parameters, exactly the keys nn.Module.state_dict() gives the unwrapped model."""
+    the flattened parameters, exactly the keys nn.Module.state_dict() gives the unwrapped model. (Inside
+    summon_full_params the flattened ones are registered too, marked: they come with their units.)"""
     return [(name, t) for table in (m._buffers, m._parameters) for name, t in table.items()
-            if t is not None and name not in m._non_persistent_buffers_set]
+            if t is not None and name not in m._non_persistent_buffers_set
+            and not hasattr(t, "_summoned_original")]
 
 
 def key_problems(wanted, known, given, strict: bool) -> tuple[list[str], list[str], list[str]]:
@@ -137,7 +148,7 @@ def load_full_state_dict(root, state_dict: dict[str, torch.Tensor], strict: bool
         sync_all_gathers(root.device)
         for unit in root.units():  # one unit unsharded at a time, as when saving
             for flat in unit.flat_params:
-                with unsharded(flat):
+                with unsharded(flat, unit._summoned):
                     for module, name in flat.places:
                         if names[id(module)] + name in state_dict:  # the others are written back unchanged
                             getattr(module, name).copy_(state_dict[names[id(module)] + name])
@@ -232,9 +243,11 @@ def _mismatch(mine, given) -> str | None:
     return None
 
 
-def _between_steps(unit) -> None:
-    if any(flat.sharded and flat.is_unsharded for u in unit.units() for flat in u.flat_params):
-        raise RuntimeError("SHARDED_STATE_DICT: a unit holds its full parameters now (inside a training step, or "
+def _between_steps(unit, kind: str = "SHARDED_STATE_DICT") -> None:
+    """The shards are what these state dicts hold: refused while a unit holds its full parameters, or its
+    originals stand in for its flat parameter (summon_full_params)."""
+    if any((flat.sharded and flat.is_unsharded) or u._summoned for u in unit.units() for flat in u.flat_params):
+        raise RuntimeError(f"{kind}: a unit holds its full parameters now (inside a training step, or "
                            "summon_full_params): take or load the state dict between steps")
 
 

@@ -225,6 +225,7 @@ class PipelineStage:
 
 
 # -- the messages a rank receives, posted in its senders' order -------------------------------------------------------
+# --8<-- [start:mailbox]
 def _messages_sent(order: list[Action], num_stages: int):
     """What a rank whose schedule is `order` sends, in order: (kind, receiving stage, micro-batch)."""
     for a in order:
@@ -270,6 +271,7 @@ class _Mailbox:
         handle.wait()
         self._post_next(src)
         return buffer
+# --8<-- [end:mailbox]
 
 
 # -- the schedules: an order of actions, and one loop that runs any order ---------------------------------------------
@@ -306,6 +308,7 @@ class PipelineSchedule:
         """The actions rank `rank` runs in one step, in order (every rank can compute every rank's)."""
         raise NotImplementedError
 
+    # --8<-- [start:step]
     def step(self, *args, target=None, losses: list | None = None):
         """One pipelined forward and backward of a batch: `args` (the batch's inputs, on the rank of the first
         stage) and `target` (on the rank of the last) are cut into n_microbatches along dim 0. Gradients
@@ -352,6 +355,7 @@ class PipelineSchedule:
                 handle.wait()
         if not stage.is_first:
             self._send(("gradient", stage.stage_index - 1, i), grad_input)
+    # --8<-- [end:step]
 
     def _send(self, message: tuple, tensor: torch.Tensor) -> None:
         """message: (kind, receiving stage, micro-batch)."""
@@ -369,8 +373,8 @@ class PipelineSchedule:
 
     @contextlib.contextmanager
     def _computing(self, action: Action):
-        """Announce the action (timelines draw it, the pipeline observer counts micro-batches in flight), and
-        with compute_time, make it last that long."""
+        """Announce the action (timelines draw it; measure/pipeline_timeline.py counts the micro-batches in flight
+        from the same spans), and with compute_time, make it last that long."""
         events.emit(events.COMPUTE_BEGIN, str(action))
         start = time.perf_counter()
         try:
@@ -382,6 +386,7 @@ class PipelineSchedule:
         finally:
             events.emit(events.COMPUTE_END, str(action))
 
+    # --8<-- [start:tied]
     def _sum_tied_embedding_grads(self) -> None:
         """The first and last stage's copies of the tied embedding: each adds the other's gradient."""
         for stage in self.stages:
@@ -396,6 +401,7 @@ class PipelineSchedule:
             received.wait()
             sent.wait()  # before adding in place: `mine` is what is on the wire
             weight.grad = mine.add_(theirs)
+    # --8<-- [end:tied]
 
 
 def _split(tensor: torch.Tensor, m: int, what: str) -> tuple:

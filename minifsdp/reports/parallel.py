@@ -1,0 +1,588 @@
+"""Chapter 12's measurements: tensor parallelism (and sequence parallelism), the pipeline schedules, and the
+parallelisms side by side on 4 ranks.
+
+    python -m minifsdp parallel --parts tp --markdown chapters/generated/parallel_tp.md
+    python -m minifsdp parallel --parts pp --markdown chapters/generated/parallel_pp.md --plot chapters/figures/pipeline_gantt.png
+    python -m minifsdp parallel --parts compare --markdown chapters/generated/parallel_compare.md
+
+(`--markdown DIR` writes each part's table to DIR/parallel_<part>.md, `--markdown PREFIX` to PREFIX_<part>.md.)
+
+- tp: TinyGPT over a tensor-parallel group of t = 1, 2, 4 ranks (one launch per t; the model and batch of the
+  tensor-parallel tests), with and without sequence parallelism: each rank's parameter bytes (MemoryMeter) against
+  4 (Psi_split / t + Psi_replicated); the bytes one training step sends on the group, counted, against the
+  formulas of tests/test_ch12_tensor_parallel.py; the bytes forward saves for backward
+  (torch.autograd.graph.saved_tensors_hooks), in the LayerNorm region -- what sequence parallelism divides by t --
+  and elsewhere.
+- pp: GPipe, 1F1B and interleaved 1F1B (v = 2) on p = 4 ranks, m = 8 micro-batches, every forward made to last
+  50 ms and every backward 100 ms (halved for the interleaved schedule's half-size stages; compute_time): the
+  bubble each rank measured against (p - 1) / (v m + p - 1), the micro-batches each held at once, the activation
+  bytes at their peak (MemoryMeter's "other"), the bytes each sent against the count of boundaries crossed; and
+  the three timelines as a Gantt chart.
+- compare: one GPT, 4 ranks, a global batch of 16 sequences, AdamW, under DDP, FSDP, TP + SP, 1F1B, DDP x TP + SP
+  and 1F1B x DDP, all built in the same launch and stepped in turn, step by step: model-state bytes per rank
+  (MemoryMeter's params + grads + optim after the optimizer step) against 16 bytes a parameter held, the peak of a
+  step, the bytes sent per step in each group, the step time as a ratio to DDP's in the same step (the median over
+  the steps), and the largest difference of any step's loss from DDP's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import statistics
+import time
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from minifsdp.ddp import DistributedDataParallel
+from minifsdp.distributed import comm
+from minifsdp.distributed.launch import launch, rank_pool
+from minifsdp.distributed.mesh import init_mesh
+from minifsdp.fsdp import FullyShardedDataParallel, ModuleWrapPolicy
+from minifsdp.measure.meter import MemoryMeter
+from minifsdp.measure.pipeline_timeline import bubble_formula, bubble_fractions, in_flight_peak, pipeline_actions
+from minifsdp.measure.timeline import Timeline
+from minifsdp.models import Block, GPTConfig, TinyGPT, gpt_batch
+from minifsdp.parallel import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B, TensorParallelGPT,
+                               gpt_loss, split_gpt, stages_of_rank)
+from minifsdp.parallel.compose import allreduce_gradients
+from minifsdp.reports.format import fmt_bytes, write_report
+from minifsdp.train import OPTIMIZERS
+
+PARTS = ("tp", "pp", "compare")
+
+# the tensor-parallel tests' model and batch (tests/test_ch12_tensor_parallel.py)
+TP_CONFIG = GPTConfig(n_head=4, n_embd=32, vocab_size=96, n_layer=2, block_size=16)
+TP_BATCH = 4
+# the pipeline tests' model, batch and delays (tests/test_ch12_pipeline.py)
+PP_CONFIG = GPTConfig(n_layer=8, n_embd=16, n_head=2, block_size=8, vocab_size=96)
+PP_BATCH, PP_RANKS, PP_MICRO, PP_VIRTUAL = 16, 4, 8, 2
+COMPUTE_TIME = (0.050, 0.100)  # seconds a forward, a backward of a whole stage; /v for the interleaved stages
+SCHEDULES = {"GPipe": (ScheduleGPipe, 1), "1F1B": (Schedule1F1B, 1), "interleaved 1F1B": (ScheduleInterleaved1F1B, 2)}
+# the side-by-side comparison
+COMPARE_CONFIG = GPTConfig(n_layer=8, n_embd=128, n_head=8, vocab_size=256, block_size=64)
+COMPARE_BATCH, COMPARE_STEPS = 16, 16  # step 0 warms up, the last is metered, the others are timed
+CONTENDERS = ("DDP", "FSDP", "TP + SP", "PP 1F1B", "DP x TP", "PP x DP")
+LAYOUTS = {"DDP": "d = 4", "FSDP": "d = 4, a unit per block", "TP + SP": "t = 4", "PP 1F1B": "p = 4, m = 8",
+           "DP x TP": "d = 2 x t = 2 (SP)", "PP x DP": "p = 2 (m = 4) x d = 2"}
+GROUPS = ("dp", "tp", "pp")
+ADAMW_BYTES = 16  # fp32 AdamW: parameter 4, gradient 4, two moments 8 (SPEC, "Measurement definitions")
+
+
+def _is_replicated(name: str) -> bool:
+    """TinyGPT's parameters that tensor parallelism keeps whole on every rank (the others are split over t)."""
+    return name.startswith(("wpe", "ln_f")) or ".ln_" in name or name.endswith(("proj.bias", "fc_proj.bias"))
+
+
+def split_and_replicated(config: GPTConfig) -> tuple[int, int]:
+    """(Psi_split, Psi_replicated) of the whole TinyGPT, the tied embedding counted once."""
+    named = dict(TinyGPT(config, seed=0).named_parameters())  # (a tied weight is listed once)
+    replicated = sum(p.numel() for k, p in named.items() if _is_replicated(k))
+    return sum(p.numel() for p in named.values()) - replicated, replicated
+
+
+def _named_group(name: str):
+    """Every rank, as a group of its own counted under `name` (the world group itself is counted as "world")."""
+    group = dist.new_group(list(range(dist.get_world_size())))
+    comm.name_group(group, name)
+    return group
+
+
+# -- tensor parallelism ------------------------------------------------------------------------------------------------
+def tp_step_bytes_formula(config: GPTConfig, b: int, t: int, sequence_parallel: bool) -> dict[str, float]:
+    """Bytes one rank sends on the tensor-parallel group in one training step (the derivation is in
+    tests/test_ch12_tensor_parallel.py): S = b s h 4 bytes of activation, P = b s 4 (a number per token),
+    G = (6L + 2) h 4 (the sequence-parallel parameters' gradients), rho = (t - 1)/t."""
+    if t == 1:
+        return {}
+    rho, L = (t - 1) / t, config.n_layer
+    S, P = b * config.block_size * config.n_embd * 4, b * config.block_size * 4
+    if not sequence_parallel:
+        return {"all_reduce": 2 * rho * (S * (4 * L + 2) + 3 * P)}
+    G = (6 * L + 2) * config.n_embd * 4
+    return {"all_reduce": 2 * rho * (S + 3 * P + G), "all_gather": rho * S * (6 * L + 3),
+            "reduce_scatter": rho * S * (4 * L + 1)}
+
+
+def ln_region_formula(config: GPTConfig, b: int) -> int:
+    """Bytes the LayerNorm region saves without sequence parallelism: per block ln_1's and ln_2's inputs, means
+    and rstds, qkv's and fc's inputs; then ln_f's and the lm head's. Sequence parallelism divides it by t."""
+    S, per_token = b * config.block_size * config.n_embd * 4, b * config.block_size * 4
+    return config.n_layer * (4 * S + 4 * per_token) + (2 * S + 2 * per_token)
+
+
+def _is_ln_region(name: str) -> bool:
+    """The modules that run on token shards under sequence parallelism, and the column layers that save their
+    inputs (the LayerNorms' outputs)."""
+    return name.split(".")[-1] in ("ln_1", "ln_2", "ln_f", "qkv", "fc", "lm_head")
+
+
+def saved_for_backward(model: TensorParallelGPT, x, y) -> dict[str, int]:
+    """Bytes one forward saves for backward, by the module that saved them (each storage once, parameters left
+    out; the lm head, a method, counted as a module of its own)."""
+    stack, hooks = [""], []
+
+    def leave(module, args, output):
+        stack.pop()  # (and return None: a forward hook's result would replace the output)
+
+    for name, m in model.named_modules():
+        hooks.append(m.register_forward_pre_hook(lambda m, args, name=name: stack.append(name)))
+        hooks.append(m.register_forward_hook(leave))
+    lm_logits = model.lm_logits
+
+    def lm_head(h):
+        stack.append("lm_head")
+        try:
+            return lm_logits(h)
+        finally:
+            stack.pop()
+
+    model.lm_logits = lm_head
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            saved.setdefault(storage.data_ptr(), (stack[-1], storage.nbytes()))
+        return t
+
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = model(x, y)
+        loss.backward()
+    finally:
+        for h in hooks:
+            h.remove()
+        del model.lm_logits  # the method again
+    out = defaultdict(int)
+    for name, nbytes in saved.values():
+        out[name] += nbytes
+    return dict(out)
+
+
+def tp_measure(config: GPTConfig = TP_CONFIG, b: int = TP_BATCH) -> dict:
+    """On each rank of a tensor-parallel group of every rank: parameter bytes, bytes per step, saved bytes."""
+    group = _named_group("tp")
+    model = TensorParallelGPT.from_gpt(TinyGPT(config, seed=0), group=group)
+    meter = MemoryMeter(model)
+    out = {"t": comm.world_size(group), "param_bytes": meter.live()["params"]}
+    meter.close()
+    x, y = gpt_batch(config, 0, b)
+    for sp in (False, True):
+        model = TensorParallelGPT.from_gpt(TinyGPT(config, seed=0), group=group, sequence_parallel=sp)
+        with comm.counting() as counter:
+            model(x, y).backward()
+            model.allreduce_sequence_parallel_grads()
+        out[("bytes", sp)] = {g: dict(kinds) for g, kinds in counter.by_group.items()}
+        model.zero_grad()
+        saved = saved_for_backward(model, x, y)
+        out[("saved", sp)] = sum(saved.values())
+        out[("ln_region", sp)] = sum(v for k, v in saved.items() if _is_ln_region(k))
+    return out
+
+
+def tp_results(world_sizes=(1, 2, 4), config: GPTConfig = TP_CONFIG, b: int = TP_BATCH) -> list[dict]:
+    """A row per t: what the ranks measured (the largest over ranks) and the formulas."""
+    split, replicated = split_and_replicated(config)
+    rows = []
+    for t in world_sizes:
+        res = launch(tp_measure, world_size=t, kwargs=dict(config=config, b=b), device="cpu")
+        row = {"t": t, "param_bytes": max(r["param_bytes"] for r in res),
+               "param_theory": 4 * (split // t + replicated), "ln_region_theory": ln_region_formula(config, b)}
+        for sp in (False, True):
+            row[("bytes", sp)] = max(sum(r[("bytes", sp)].get("tp", {}).values()) for r in res)
+            row[("bytes_off_tp", sp)] = max(sum(sum(k.values()) for g, k in r[("bytes", sp)].items() if g != "tp")
+                                            for r in res)
+            row[("bytes_theory", sp)] = sum(tp_step_bytes_formula(config, b, t, sp).values())
+            row[("saved", sp)] = max(r[("saved", sp)] for r in res)
+            row[("ln_region", sp)] = max(r[("ln_region", sp)] for r in res)
+        rows.append(row)
+    return rows
+
+
+def tp_table(rows: list[dict], config: GPTConfig = TP_CONFIG, b: int = TP_BATCH) -> str:
+    split, replicated = split_and_replicated(config)
+    head = (f"**Tensor parallelism**, TinyGPT ({config.n_layer} blocks, h = {config.n_embd}, {config.n_head} heads, "
+            f"vocabulary {config.vocab_size}; Ψ_split = {split:,}, Ψ_replicated = {replicated:,}), b = {b}, "
+            f"s = {config.block_size}, fp32; per rank, the largest over the t ranks; bytes per training step on the "
+            f"tp group, counted and by the formula\n\n"
+            "| t | parameter bytes | 4·(Ψ_split/t + Ψ_replicated) | bytes per step, TP | formula | "
+            "bytes per step, TP + SP | formula |\n|---|---|---|---|---|---|---|\n")
+    lines = [f"| {r['t']} | {r['param_bytes']:,} | {r['param_theory']:,} | {r[('bytes', False)]:,.0f} | "
+             f"{r[('bytes_theory', False)]:,.0f} | {r[('bytes', True)]:,.0f} | {r[('bytes_theory', True)]:,.0f} |"
+             for r in rows]
+    saved = ("\n\n**Activations saved for backward** by one forward (bytes per rank), in the LayerNorm region "
+             "(ln_1, ln_2, ln_f and the column layers that keep their outputs) and elsewhere, without and with "
+             "sequence parallelism\n\n"
+             "| t | LayerNorm region, TP | TP + SP | ratio | formula: region / t | elsewhere, TP | TP + SP | "
+             "all saved, TP | TP + SP |\n|---|---|---|---|---|---|---|---|---|\n")
+    saved_lines = [f"| {r['t']} | {r[('ln_region', False)]:,} | {r[('ln_region', True)]:,} | "
+                   f"1/{r[('ln_region', False)] / r[('ln_region', True)]:.3g} | "
+                   f"{r['ln_region_theory'] // r['t']:,} | {r[('saved', False)] - r[('ln_region', False)]:,} | "
+                   f"{r[('saved', True)] - r[('ln_region', True)]:,} | {r[('saved', False)]:,} | "
+                   f"{r[('saved', True)]:,} |" for r in rows]
+    return head + "\n".join(lines) + saved + "\n".join(saved_lines) + "\n"
+
+
+# -- pipeline parallelism ----------------------------------------------------------------------------------------------
+def _build_pipeline(schedule: str, config: GPTConfig, batch: int, m: int, group=None, compute_time=None, v=None):
+    """This rank's stage modules (a ModuleList: a parameter two of them share is listed once) and the schedule."""
+    cls, default_v = SCHEDULES[schedule]
+    v = default_v if v is None else v
+    p, r = comm.world_size(group), comm.rank(group)
+    indices = stages_of_rank(r, p, v)
+    modules = nn.ModuleList(split_gpt(TinyGPT(config, seed=0), p * v, indices))
+    shape = (batch // m, config.block_size, config.n_embd)
+    stages = [PipelineStage(mod, s, p * v, group=group, activation_shape=shape) for mod, s in zip(modules, indices)]
+    return modules, cls(stages if v > 1 else stages[0], m, loss_fn=gpt_loss, compute_time=compute_time)
+
+
+def pp_measure(config: GPTConfig = PP_CONFIG, batch: int = PP_BATCH, m: int = PP_MICRO,
+               compute_time: tuple[float, float] = COMPUTE_TIME) -> dict:
+    """On each rank, per schedule: a timeline of one step under compute_time (after a step that connects the
+    ranks), the activation bytes at their peak in a step, the bytes sent in a step."""
+    x, y = gpt_batch(config, 0, batch)
+    out = {}
+    for name, (_, v) in SCHEDULES.items():
+        modules, schedule = _build_pipeline(name, config, batch, m)
+        schedule.step(x, target=y)  # the first messages between two ranks also connect them
+        modules.zero_grad()
+        schedule.compute_time = (compute_time[0] / v, compute_time[1] / v)
+        with Timeline() as tl:
+            schedule.step(x, target=y)
+        modules.zero_grad()
+        schedule.compute_time = None
+        meter = MemoryMeter(modules)
+        meter.reset_peak()
+        with meter:
+            schedule.step(x, target=y)
+        meter.close()
+        modules.zero_grad()
+        with comm.counting() as counter:
+            schedule.step(x, target=y)
+        out[name] = {"spans": tl.spans(), "activation_peak": meter.category_peak["other"],
+                     "sent": counter.bytes["send"], "stages": stages_of_rank(comm.rank(), comm.world_size(), v)}
+    return out
+
+
+def predicted_in_flight(schedule: str, r: int, p: int, m: int) -> int:
+    """The most micro-batches (pieces of micro-batches through one of its stages, interleaved) rank r holds."""
+    v = SCHEDULES[schedule][1]
+    if schedule == "GPipe":
+        return m
+    if v == 1:
+        return min(p - r, m)
+    return min(2 * (p - r - 1) + (v - 1) * p + 1, v * m)
+
+
+def pp_sent_formula(config: GPTConfig, batch: int, m: int, p: int, v: int, r: int) -> int:
+    """Bytes rank r sends in a step: each micro-batch's activation across each boundary after one of its stages,
+    its gradient across each boundary before one; and at either end of the pipeline, the tied embedding's
+    gradient to the other end."""
+    stages = stages_of_rank(r, p, v)
+    message = 4 * (batch // m) * config.block_size * config.n_embd
+    crossings = sum((s < p * v - 1) + (s > 0) for s in stages)
+    ends = (r == 0) + (r == p - 1) if p > 1 else 0
+    return crossings * m * message + ends * config.vocab_size * config.n_embd * 4
+
+
+def pp_results(p: int = PP_RANKS, config: GPTConfig = PP_CONFIG, batch: int = PP_BATCH, m: int = PP_MICRO,
+               compute_time: tuple[float, float] = COMPUTE_TIME) -> dict:
+    res = launch(pp_measure, world_size=p, kwargs=dict(config=config, batch=batch, m=m, compute_time=compute_time),
+                 device="cpu")
+    out = {}
+    for name, (_, v) in SCHEDULES.items():
+        timelines = [r[name]["spans"] for r in res]
+        out[name] = {"v": v, "timelines": timelines, "bubbles": bubble_fractions(timelines),
+                     "formula": bubble_formula(p, m, v),
+                     "in_flight": [in_flight_peak(s) for s in timelines],
+                     "in_flight_predicted": [predicted_in_flight(name, r, p, m) for r in range(p)],
+                     "activation_peak": [r[name]["activation_peak"] for r in res],
+                     "sent": [r[name]["sent"] for r in res],
+                     "sent_formula": [pp_sent_formula(config, batch, m, p, v, r) for r in range(p)]}
+    return out
+
+
+def _extent(timelines) -> tuple[float, float]:
+    """When the pipeline's first action began and its last ended, on any rank."""
+    actions = [a for spans in timelines for a in pipeline_actions(spans)]
+    return min(s for _, s, _ in actions), max(e for _, _, e in actions)
+
+
+def pp_table(results: dict, p: int = PP_RANKS, m: int = PP_MICRO, config: GPTConfig = PP_CONFIG,
+             batch: int = PP_BATCH, compute_time: tuple[float, float] = COMPUTE_TIME) -> str:
+    head = (f"**Pipeline schedules**, p = {p} ranks, m = {m} micro-batches of {batch // m} sequences, TinyGPT of "
+            f"{config.n_layer} blocks (h = {config.n_embd}); every forward of a stage made to last "
+            f"{compute_time[0] * 1e3:.0f} ms and every backward {compute_time[1] * 1e3:.0f} ms (÷ v for the "
+            f"interleaved schedule's v stages per rank); the bubble: each rank's idle share of the step\n\n"
+            "| schedule | v | bubble, mean over ranks | min – max | formula (p−1)/(v·m+p−1) | step | "
+            "ideal step (v·m+p−1)(t_f+t_b)/v |\n|---|---|---|---|---|---|---|\n")
+    lines = []
+    for name, r in results.items():
+        b, v = r["bubbles"], r["v"]
+        start, end = _extent(r["timelines"])
+        step = end - start
+        ideal = (v * m + p - 1) * sum(compute_time) / v
+        lines.append(f"| {name} | {v} | {statistics.mean(b):.3f} | {min(b):.3f} – {max(b):.3f} | "
+                     f"{r['formula']:.3f} | {step * 1e3:.0f} ms | {ideal * 1e3:.0f} ms |")
+    per_rank = ("\n\n**Per rank**: micro-batches in flight at the peak (measured on the timeline; predicted by the "
+                "order: GPipe m, 1F1B p − r, interleaved 2(p−r−1) + (v−1)p + 1 pieces of 1/v stage), activation "
+                "bytes at their peak (MemoryMeter, one step), bytes sent in a step (counted; formula: an "
+                "activation per micro-batch across each boundary after the rank's stages, a gradient across each "
+                "before, the tied embedding's gradient at either end)\n\n"
+                "| schedule | rank | in flight | predicted | activation peak | bytes sent | formula |\n"
+                "|---|---|---|---|---|---|---|\n")
+    rows = [f"| {name} | {k} | {r['in_flight'][k]} | {r['in_flight_predicted'][k]} | "
+            f"{r['activation_peak'][k]:,} | {r['sent'][k]:,.0f} | {r['sent_formula'][k]:,} |"
+            for name, r in results.items() for k in range(p)]
+    return head + "\n".join(lines) + per_rank + "\n".join(rows) + "\n"
+
+
+FORWARD_COLORS = ("#9ecae1", "#3182bd")   # forward through a rank's first stage, its second (interleaved)
+BACKWARD_COLORS = ("#fdae6b", "#e6550d")  # the same, backward
+
+
+def plot_gantt(results: dict, path: str, p: int = PP_RANKS, m: int = PP_MICRO) -> None:
+    """The schedules' timelines stacked, one panel each, on one time axis: a row per rank, a box per action,
+    forwards blue and backwards orange (darker: the rank's second stage), each labelled with its micro-batch;
+    white space is the bubble."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    fig, axes = plt.subplots(len(results), 1, figsize=(8, 1.0 + 1.75 * len(results)), sharex=True)
+    longest = max(end - start for start, end in (_extent(r["timelines"]) for r in results.values()))
+    for ax, (name, r) in zip(axes, results.items()):
+        timelines = r["timelines"]
+        origin, _ = _extent(timelines)
+        for rank, spans in enumerate(timelines):
+            y = p - 1 - rank
+            for action, start, end in pipeline_actions(spans):
+                chunk = action.stage // p
+                color = (FORWARD_COLORS if action.kind == "F" else BACKWARD_COLORS)[chunk]
+                left, width = (start - origin) * 1e3, (end - start) * 1e3
+                ax.broken_barh([(left, width)], (y + 0.05, 0.9), facecolors=color, edgecolor="white", linewidth=0.6)
+                ax.text(left + width / 2, y + 0.5, str(action.microbatch), ha="center", va="center", fontsize=10,
+                        color="white" if chunk else "black")
+        ax.set_yticks([p - 1 - k + 0.5 for k in range(p)], [f"rank {k}" for k in range(p)], fontsize=10)
+        ax.set_ylim(0, p)
+        ax.set_xlim(0, longest * 1e3 * 1.01)
+        ax.tick_params(axis="x", labelsize=10)
+        ax.set_title(f"{name} (v = {r['v']}): bubble {statistics.mean(r['bubbles']):.3f} measured, "
+                     f"{r['formula']:.3f} by the formula", fontsize=11, loc="left")
+        for side in ("top", "right"):
+            ax.spines[side].set_visible(False)
+    axes[-1].set_xlabel(f"ms since the step began (p = {p}, m = {m}; the number in a box: its micro-batch)",
+                        fontsize=10)
+    handles = [Patch(color=FORWARD_COLORS[0], label="forward"), Patch(color=BACKWARD_COLORS[0], label="backward"),
+               Patch(color=FORWARD_COLORS[1], label="forward, 2nd stage (v = 2)"),
+               Patch(color=BACKWARD_COLORS[1], label="backward, 2nd stage")]
+    fig.legend(handles=handles, loc="upper center", ncol=4, fontsize=10, frameon=False, bbox_to_anchor=(0.5, 1.0))
+    fig.tight_layout(rect=(0, 0, 1, 0.95))
+    fig.savefig(path, dpi=170)
+    plt.close(fig)
+
+
+# -- the parallelisms side by side -------------------------------------------------------------------------------------
+def stage_params(config: GPTConfig, r: int, p: int) -> int:
+    """Parameters of stage r of p (one stage per rank), from the whole model's names: its blocks; the
+    embeddings on the first; ln_f and the head (a copy of the tied embedding) on the last."""
+    named = dict(TinyGPT(config, seed=0).named_parameters())
+    per = config.n_layer // p
+    mine = {f"blocks.{i}." for i in range(r * per, (r + 1) * per)}
+    n = sum(q.numel() for k, q in named.items() if any(k.startswith(b) for b in mine))
+    if r == 0:
+        n += named["wte.weight"].numel() + named["wpe.weight"].numel()
+    if r == p - 1:
+        n += sum(q.numel() for k, q in named.items() if k.startswith("ln_f"))
+        if p > 1 or not config.tie_weights:
+            n += config.vocab_size * config.n_embd  # the head: the tied embedding's copy (or its own weight)
+    return n
+
+
+class _Contender:
+    """One way of training the model on 4 ranks: its modules and optimizer, a step, and what it should hold."""
+
+    def __init__(self, name: str, config: GPTConfig, batch: int, groups: dict):
+        self.name, self.config, self.batch = name, config, batch
+        self.unsharded, self.inner, self.schedule = [], None, None
+        gpt = TinyGPT(config, seed=0)
+        split, replicated = split_and_replicated(config)
+        if name in ("DDP", "FSDP"):
+            dp = groups["dp"]
+            d = comm.world_size(dp)
+            self.rows = self._slice(comm.rank(dp), d)
+            if name == "DDP":
+                self.model = DistributedDataParallel(gpt, process_group=dp)
+                self.theory = ADAMW_BYTES * (split + replicated)
+            else:
+                self.model = FullyShardedDataParallel(gpt, process_group=dp, auto_wrap_policy=ModuleWrapPolicy({Block}))
+                self.unsharded = [flat._full for unit in self.model.units() for flat in unit.flat_params]
+                self.theory = ADAMW_BYTES * (split + replicated) / d
+        elif name in ("TP + SP", "DP x TP"):
+            tp = groups["tp"] if name == "TP + SP" else groups["mesh_tp"].get_group("tp")
+            t = comm.world_size(tp)
+            self.inner = self.model = TensorParallelGPT.from_gpt(gpt, group=tp, sequence_parallel=True)
+            self.theory = ADAMW_BYTES * (split / t + replicated)
+            if name == "DP x TP":
+                dp = groups["mesh_tp"].get_group("dp")
+                self.model = DistributedDataParallel(self.inner, process_group=dp)
+                self.rows = self._slice(comm.rank(dp), 2)
+            else:
+                self.rows = slice(0, batch)
+        else:  # the pipelines
+            if name == "PP 1F1B":
+                pp, self.dp, m, d = groups["pp"], None, 8, 1
+            else:
+                mesh = groups["mesh_pp"]
+                pp, self.dp, m, d = mesh.get_group("pp"), mesh.get_group("dp"), 4, 2
+            self.model, self.schedule = _build_pipeline("1F1B", config, batch // d, m, group=pp)
+            self.rows = self._slice(comm.rank(self.dp), d) if self.dp is not None else slice(0, batch)
+            self.theory = ADAMW_BYTES * stage_params(config, comm.rank(pp), comm.world_size(pp))
+            del gpt  # (the stage modules keep the parts this rank holds)
+        self.opt = OPTIMIZERS["adamw"](self.model.parameters())
+
+    def _slice(self, replica: int, replicas: int) -> slice:
+        per = self.batch // replicas
+        return slice(replica * per, (replica + 1) * per)
+
+    def step(self, i: int):
+        """One training step on global batch i; returns this rank's loss (None where the rank computes none)."""
+        x, y = (t[self.rows] for t in gpt_batch(self.config, i, self.batch))
+        if self.schedule is not None:
+            loss = self.schedule.step(x, target=y)
+            if self.dp is not None:
+                allreduce_gradients(self.model, group=self.dp)
+        else:
+            loss = self.model(x, y)
+            loss.backward()
+            if self.inner is not None:
+                self.inner.allreduce_sequence_parallel_grads()
+        self.opt.step()
+        return loss
+
+
+def compare_measure(config: GPTConfig = COMPARE_CONFIG, batch: int = COMPARE_BATCH, steps: int = COMPARE_STEPS,
+                    contenders=CONTENDERS) -> dict:
+    """On each of 4 ranks: every contender built, then stepped in turn, step by step, the first to go changing each
+    step (a slow moment of the machine hits all alike). Step 0 warms up; the last is metered (the meter slows a step
+    down); the others are timed, from a barrier to a barrier, and their bytes counted."""
+    groups = {"dp": _named_group("dp"), "tp": _named_group("tp"), "pp": _named_group("pp"),
+              "mesh_tp": init_mesh((2, 2), ("dp", "tp")), "mesh_pp": init_mesh((2, 2), ("dp", "pp"))}
+    runs = {name: _Contender(name, config, batch, groups) for name in contenders}
+    # AdamW's step counters: a tensor of 4 bytes per tensor it steps, beside the 16 bytes per parameter
+    out = {name: {"times": [], "losses": [], "bytes": defaultdict(float), "theory": c.theory,
+                  "counters": 4 * sum(len(g["params"]) for g in c.opt.param_groups)}
+           for name, c in runs.items()}
+    timed = range(1, steps - 1)
+    names = list(runs)
+    for i in range(steps):
+        for name in names[i % len(names):] + names[: i % len(names)]:  # who goes first turns each step
+            c, meter = runs[name], None
+            if i == steps - 1:
+                meter = MemoryMeter(c.model, c.opt)
+                meter.watch(c.unsharded, "params")
+                meter.reset_peak()
+            dist.barrier()
+            t0 = time.perf_counter()
+            with comm.counting() as counter, (meter if meter is not None else contextlib.nullcontext()):
+                loss = c.step(i)
+                if meter is not None:
+                    states = meter.snapshot("after the optimizer step")
+                c.opt.zero_grad()
+            dist.barrier()
+            elapsed = time.perf_counter() - t0
+            if i in timed:
+                out[name]["times"].append(elapsed)
+                for group, kinds in counter.by_group.items():
+                    out[name]["bytes"][group] += sum(kinds.values()) / len(timed)
+            if meter is not None:
+                meter.close()
+                out[name] |= {"peak": meter.peak, "states": states["params"] + states["grads"] + states["optim"]}
+            # the global batch's loss: the mean over the ranks that computed one (each covers an equal share)
+            held = torch.tensor([0.0 if loss is None else loss.item(), 0.0 if loss is None else 1.0],
+                                dtype=torch.float64)
+            dist.all_reduce(held)
+            out[name]["losses"].append((held[0] / held[1]).item())
+    for name in out:
+        out[name]["bytes"] = dict(out[name]["bytes"])
+    return out
+
+
+def compare_results(config: GPTConfig = COMPARE_CONFIG, batch: int = COMPARE_BATCH,
+                    steps: int = COMPARE_STEPS) -> dict:
+    res = launch(compare_measure, world_size=4, kwargs=dict(config=config, batch=batch, steps=steps), device="cpu")
+    ref_times, ref_losses = res[0]["DDP"]["times"], res[0]["DDP"]["losses"]
+    out = {}
+    for name in CONTENDERS:
+        per_rank = [r[name] for r in res]
+        ratios = [a / b for a, b in zip(per_rank[0]["times"], ref_times)]  # each over DDP's of the same step
+        out[name] = {"states": max(r["states"] for r in per_rank), "theory": max(r["theory"] for r in per_rank),
+                     "theory_with_counters": max(r["theory"] + r["counters"] for r in per_rank),
+                     "peak": max(r["peak"] for r in per_rank),
+                     "bytes": {g: max(r["bytes"].get(g, 0.0) for r in per_rank) for g in GROUPS},
+                     "other_groups": sorted({g for r in per_rank for g in r["bytes"]} - set(GROUPS)),
+                     "time": statistics.median(per_rank[0]["times"]),
+                     "time_ratio": statistics.median(ratios),
+                     "loss_diff": max(abs(a - b) for a, b in zip(per_rank[0]["losses"], ref_losses)),
+                     "final_loss": per_rank[0]["losses"][-1]}
+    return out
+
+
+def compare_table(results: dict, config: GPTConfig = COMPARE_CONFIG, batch: int = COMPARE_BATCH,
+                  steps: int = COMPARE_STEPS) -> str:
+    psi = sum(p.numel() for p in TinyGPT(config, seed=0).parameters())
+    ddp_ms = results["DDP"]["time"] * 1e3
+    head = (f"**Where each wins**: GPT of {config.n_layer} blocks × {config.n_embd} ({config.n_head} heads, "
+            f"vocabulary {config.vocab_size}, sequence {config.block_size}; Ψ = {psi:,}), 4 CPU ranks + gloo, "
+            f"global batch {batch}, AdamW, fp32, {steps} steps; per rank, the largest over ranks; model states "
+            f"after the optimizer step (theory: 16 bytes per parameter held; AdamW's step counters, 4 bytes per "
+            f"tensor, aside), the peak of the last step; bytes sent "
+            f"per step in each group; step time, from a barrier to a barrier: the median over steps 2 to {steps - 1} "
+            f"of its ratio to DDP's in the same step (DDP's median: {ddp_ms:.0f} ms); Δloss: the largest difference "
+            f"of any step's loss from DDP's (DDP's last: {results['DDP']['final_loss']:.3f})\n\n"
+            "| contender | layout | model states | theory | peak | dp bytes | tp bytes | pp bytes | step time | "
+            "Δloss |\n|---|---|---|---|---|---|---|---|---|---|\n")
+    lines = []
+    for name, r in results.items():
+        sent = [fmt_bytes(r["bytes"][g]) if r["bytes"][g] else "–" for g in GROUPS]
+        lines.append(f"| {name} | {LAYOUTS[name]} | {fmt_bytes(r['states'])} | {fmt_bytes(r['theory'])} | "
+                     f"{fmt_bytes(r['peak'])} | {' | '.join(sent)} | {r['time_ratio']:.2f}× | "
+                     f"{r['loss_diff']:.1e} |")
+    return head + "\n".join(lines) + "\n"
+
+
+# -- the command -------------------------------------------------------------------------------------------------------
+def _markdown_path(markdown: str | None, part: str, parts) -> str | None:
+    """--markdown: a file (with one part), a directory (DIR/parallel_<part>.md) or a prefix (PREFIX_<part>.md)."""
+    if not markdown:
+        return None
+    if os.path.isdir(markdown):
+        return os.path.join(markdown, f"parallel_{part}.md")
+    if markdown.endswith(".md") and len(parts) == 1:
+        return markdown
+    return f"{markdown.removesuffix('.md')}_{part}.md"
+
+
+def run_parallel_report(parts=PARTS, markdown: str | None = None, plot: str | None = None) -> None:
+    parts = list(parts)
+    unknown = set(parts) - set(PARTS)
+    if unknown:
+        raise ValueError(f"unknown parts {sorted(unknown)}: choose from {list(PARTS)}")
+    with rank_pool():  # the launches at 4 ranks share their processes
+        if "tp" in parts:
+            write_report(tp_table(tp_results()), _markdown_path(markdown, "tp", parts))
+        if "pp" in parts:
+            results = pp_results()
+            write_report(pp_table(results), _markdown_path(markdown, "pp", parts))
+            if plot:
+                plot_gantt(results, plot)
+                print(f"wrote {plot}")
+        if "compare" in parts:
+            write_report(compare_table(compare_results()), _markdown_path(markdown, "compare", parts))

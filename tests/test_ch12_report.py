@@ -1,0 +1,78 @@
+"""Chapter 12's report (minifsdp/reports/parallel.py, `python -m minifsdp parallel`) at tiny sizes: its tables
+hold what the ranks measured, and those numbers are the formulas' (the chapter's own tests prove the mechanisms;
+this only checks that the report measures and prints them). A smoke test: times are printed, never checked.
+Model states: 16 bytes per parameter a rank holds, and 4 per tensor for AdamW's step counters.
+
+Tolerances: bytes, parameter counts, saved activations and micro-batches in flight are exact (integers). The
+bubble, with forwards made to last 20 ms and backwards 40 ms, within 0.1 of the formula (a loose bound: the
+pipeline tests hold it to 0.05 with longer delays). The compositions' losses within 1e-5 of DDP's after 3 AdamW
+steps (the tolerance of tests/test_ch12_composition.py)."""
+
+import pytest
+
+from minifsdp.models import GPTConfig, TinyGPT
+from minifsdp.reports import parallel as report
+
+TINY = GPTConfig(n_layer=4, n_embd=16, n_head=4, vocab_size=32, block_size=8)
+
+
+def test_tp_table_measures_the_formulas():
+    b = 2
+    rows = report.tp_results(world_sizes=(2,), config=TINY, b=b)
+    row, = rows
+    assert row["param_bytes"] == row["param_theory"]
+    for sp in (False, True):
+        assert row[("bytes", sp)] == row[("bytes_theory", sp)] > 0
+        assert row[("bytes_off_tp", sp)] == 0  # every byte on the tensor-parallel group
+    assert row[("ln_region", False)] == row["ln_region_theory"] == 2 * row[("ln_region", True)]
+    # everything outside the LayerNorm region is already split by t: sequence parallelism leaves it alone
+    assert row[("saved", False)] - row[("ln_region", False)] == row[("saved", True)] - row[("ln_region", True)]
+    table = report.tp_table(rows, config=TINY, b=b)
+    assert f"| 2 | {row['param_bytes']:,} | {row['param_theory']:,} | {row[('bytes', False)]:,.0f} |" in table
+    assert "| 1/2 |" in table
+
+
+def test_pp_table_and_gantt(tmp_path):
+    p, m, batch, delays = 2, 4, 8, (0.020, 0.040)
+    results = report.pp_results(p=p, config=TINY, batch=batch, m=m, compute_time=delays)
+    assert list(results) == list(report.SCHEDULES)
+    for name, r in results.items():
+        assert r["in_flight"] == r["in_flight_predicted"], name
+        assert r["sent"] == r["sent_formula"], name
+        assert all(abs(b - r["formula"]) < 0.1 for b in r["bubbles"]), (name, r["bubbles"], r["formula"])
+        assert all(a > 0 for a in r["activation_peak"]), name
+    # GPipe holds every micro-batch, 1F1B at most p - r of them
+    assert all(g > o for g, o in zip(results["GPipe"]["activation_peak"], results["1F1B"]["activation_peak"]))
+    table = report.pp_table(results, p=p, m=m, config=TINY, batch=batch, compute_time=delays)
+    assert f"{results['GPipe']['formula']:.3f}" in table and table.count("| GPipe |") == 1 + p
+    report.plot_gantt(results, str(tmp_path / "gantt.png"), p=p, m=m)
+    assert (tmp_path / "gantt.png").stat().st_size > 10_000
+
+
+def test_compare_table_every_contender_on_four_ranks():
+    results = report.compare_results(config=TINY, batch=16, steps=3)
+    assert list(results) == list(report.CONTENDERS)
+    groups = {"DDP": {"dp"}, "FSDP": {"dp"}, "TP + SP": {"tp"}, "PP 1F1B": {"pp"}, "DP x TP": {"dp", "tp"},
+              "PP x DP": {"dp", "pp"}}
+    for name, r in results.items():
+        assert {g for g, b in r["bytes"].items() if b > 0} == groups[name], name
+        assert r["other_groups"] == [], name
+        assert r["loss_diff"] <= 1e-5, name
+        assert r["peak"] >= r["states"] > 0, name
+        # 16 bytes per parameter held, and AdamW's step counter (4 bytes) per tensor it steps
+        if name != "FSDP":
+            assert r["states"] == r["theory_with_counters"], name
+        else:  # (FSDP's flat parameters may be padded to divide by d)
+            assert r["theory_with_counters"] <= r["states"] <= 1.01 * r["theory_with_counters"]
+    psi = 4 * sum(p.numel() for p in TinyGPT(TINY, seed=0).parameters())
+    assert results["DDP"]["bytes"]["dp"] == pytest.approx(2 * psi * 3 / 4)  # one all-reduce of the gradients
+    assert results["DDP"]["time_ratio"] == 1.0
+    table = report.compare_table(results, config=TINY, batch=16, steps=3)
+    assert table.count("\n| ") == 1 + len(report.CONTENDERS)
+
+
+def test_markdown_paths(tmp_path):
+    assert report._markdown_path(None, "tp", ["tp"]) is None
+    assert report._markdown_path(str(tmp_path), "pp", ["tp", "pp"]) == str(tmp_path / "parallel_pp.md")
+    assert report._markdown_path("out/x.md", "tp", ["tp"]) == "out/x.md"
+    assert report._markdown_path("out/parallel", "compare", ["tp", "compare"]) == "out/parallel_compare.md"
