@@ -32,9 +32,11 @@ figures:          ## regenerate every figure and table the chapters include
 	$(PY) -m minifsdp checkpoints --world-sizes 1 2 3 4 --markdown chapters/generated/checkpoints.md --plot chapters/figures/reshard.png
 	$(PY) -m minifsdp fsdp2 --world-sizes 2 4 --markdown chapters/generated/fsdp2.md
 	$(PY) -m minifsdp parallel --parts tp --markdown chapters/generated/parallel_tp.md
+	$(PY) -m minifsdp parallel --parts overlap --markdown chapters/generated/parallel_overlap.md --plot chapters/figures/tp_overlap.png
 	$(PY) -m minifsdp parallel --parts pp --markdown chapters/generated/parallel_pp.md --plot chapters/figures/pipeline_gantt.png
 	$(PY) -m minifsdp parallel --parts compare --markdown chapters/generated/parallel_compare.md
 	$(PY) -m minifsdp parity --world-sizes 1 2 3 4 --markdown chapters/generated/parity.md
+	$(PY) -m minifsdp step-time --models 7b 70b --nodes 1 8 --gpus-per-node 8 --markdown chapters/generated/step_time.md --published chapters/generated/step_time_vs_published.md
 	grep -cvE '^\s*(#|$$)' minifsdp/ddp/ddp.py minifsdp/zero/oss.py minifsdp/zero/sdp.py minifsdp/zero/flat.py minifsdp/zero/flat_sdp.py > chapters/generated/loc.txt
 
 docs:             ## build the site into site/ (fails on any broken link or include)

@@ -12,9 +12,10 @@
     python -m minifsdp checkpoints [--world-sizes 1 2 3 4]                  chapter 10: checkpoint size and time
     python -m minifsdp state-dict-memory [--world-sizes 2 4]                chapter 10: the memory of a full state dict
     python -m minifsdp fsdp2 [--world-sizes 2 4]                            chapter 11: FlatParameter vs fully_shard vs torch's
-    python -m minifsdp parallel [--parts tp pp compare] [--plot PNG]        chapter 12: TP and SP, pipeline schedules, TP vs PP vs DP
+    python -m minifsdp parallel [--parts tp overlap pp compare] [--plot P]  chapter 12: TP and SP, TP's overlap, PP, TP vs PP vs DP
     python -m minifsdp parity [--world-sizes 1 2 3 4]                       chapter 6: parity of every strategy vs torch
     python -m minifsdp gpu-check [--markdown PATH]                          every strategy on NCCL (GPUs only)
+    python -m minifsdp step-time [--models 7b 70b] [--nodes 1 8]          chapter 13: the alpha-beta step-time model
     python -m minifsdp demo [--world-size 3]                                all-reduce = reduce-scatter + all-gather
     python -m minifsdp student OUT_DIR                                      a student copy, solutions removed
     python -m minifsdp grade [PATH]                                         run each chapter's tests, print a score
@@ -102,12 +103,18 @@ def main(argv: list[str] | None = None) -> int:
     f2.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
     f2.add_argument("--markdown", default=None)
 
-    par = sub.add_parser("parallel", help="chapter 12: tensor and sequence parallelism at t = 1, 2, 4; the pipeline "
-                                          "schedules' bubbles; DDP, FSDP, TP, PP and their compositions on 4 ranks")
-    par.add_argument("--parts", nargs="+", default=["tp", "pp", "compare"], choices=["tp", "pp", "compare"])
+    par = sub.add_parser("parallel", help="chapter 12: tensor and sequence parallelism at t = 1, 2, 4; the column "
+                                          "layers' input-gradient all-reduce behind their weight gradient, on a "
+                                          "timeline; the pipeline schedules' bubbles; DDP, FSDP, TP, PP and their "
+                                          "compositions on 4 ranks")
+    par.add_argument("--parts", nargs="+", default=["tp", "overlap", "pp", "compare"],
+                     choices=["tp", "overlap", "pp", "compare"])
     par.add_argument("--markdown", default=None, help="a file (one part), a directory (DIR/parallel_<part>.md) or a "
                                                       "prefix (PREFIX_<part>.md)")
-    par.add_argument("--plot", default="pipeline_gantt.png", help="where the pipeline part draws its Gantt chart")
+    par.add_argument("--plot", default=".", help="where the overlap part draws its timelines and the pipeline part "
+                                                 "its Gantt chart: a file (one of those parts), a directory "
+                                                 "(DIR/tp_overlap.png, DIR/pipeline_gantt.png) or a prefix "
+                                                 "(PREFIX_<part>.png)")
 
     parity = sub.add_parser("parity", help="the parity matrix: every strategy on odd, tied, frozen, unused, BatchNorm, "
                                            "reused and float64 models vs torch's DDP (or FSDP1), at each world size")
@@ -118,6 +125,18 @@ def main(argv: list[str] | None = None) -> int:
                                            "memory, bytes (says so and exits 0 without a GPU)")
     gpu.add_argument("--steps", type=int, default=5)
     gpu.add_argument("--markdown", default=None)
+
+    stm = sub.add_parser("step-time", help="chapter 13: step time, tokens/s/GPU and MFU per strategy from the "
+                                           "alpha-beta model; its calibration on gloo; its errors vs published runs")
+    stm.add_argument("--models", nargs="+", default=["7b", "70b"], help="from: 7b 13b 70b llama3-8b llama3-70b")
+    stm.add_argument("--nodes", type=int, nargs="+", default=[1, 8])
+    stm.add_argument("--gpus-per-node", type=int, default=8)
+    stm.add_argument("--gpu", default="h100", choices=["h100", "a100"])
+    stm.add_argument("--seq-len", type=int, default=4096)
+    stm.add_argument("--micro-batch", type=float, default=2, help="sequences per GPU per step")
+    stm.add_argument("--no-calibrate", action="store_true", help="skip the measured gloo calibration")
+    stm.add_argument("--markdown", default=None)
+    stm.add_argument("--published", default=None, help="also write the comparison with published runs here")
 
     demo = sub.add_parser("demo", help="all-reduce built from reduce-scatter + all-gather, checked")
     demo.add_argument("--world-size", type=int, default=3)
@@ -178,6 +197,11 @@ def main(argv: list[str] | None = None) -> int:
     elif args.command == "gpu-check":
         from minifsdp.reports.gpu_check import run_gpu_check
         return run_gpu_check(markdown=args.markdown, steps=args.steps)
+    elif args.command == "step-time":
+        from minifsdp.reports.step_time import run_step_time_report
+        run_step_time_report(models=args.models, nodes=args.nodes, gpus_per_node=args.gpus_per_node, gpu=args.gpu,
+                             seq_len=args.seq_len, micro_batch=args.micro_batch, markdown=args.markdown,
+                             published=args.published, calibrate=not args.no_calibrate)
     elif args.command == "demo":
         from minifsdp.ddp.collectives import demo_all_reduce_by_parts
         from minifsdp.distributed.launch import launch

@@ -6,7 +6,9 @@ Model states: 16 bytes per parameter a rank holds, and 4 per tensor for AdamW's 
 Tolerances: bytes, parameter counts, saved activations and micro-batches in flight are exact (integers). The
 bubble, with forwards made to last 20 ms and backwards 40 ms, within 0.1 of the formula (a loose bound: the
 pipeline tests hold it to 0.05 with longer delays). The compositions' losses within 1e-5 of DDP's after 3 AdamW
-steps (the tolerance of tests/test_ch12_composition.py)."""
+steps (the tolerance of tests/test_ch12_composition.py). The overlap of the input gradient's all-reduce with the
+weight-gradient matmul: the order of events on the timeline, not their durations (the report itself raises if the two
+paths' gradients differ by a bit)."""
 
 import pytest
 
@@ -71,8 +73,41 @@ def test_compare_table_every_contender_on_four_ranks():
     assert table.count("\n| ") == 1 + len(report.CONTENDERS)
 
 
+def test_overlap_timelines_and_figure(tmp_path):
+    config, b = GPTConfig(n_layer=2, n_embd=16, n_head=4, vocab_size=32, block_size=8), 2
+    results = report.overlap_results(config=config, b=b, reps=1)
+    assert list(results) == list(report.PATHS)
+    layers = ["lm_head", "blocks.1.fc", "blocks.1.attn.qkv", "blocks.0.fc", "blocks.0.attn.qkv"]  # backward's order
+    sync, overlapped = results["synchronous"], results["async_grad_allreduce"]
+    # async: each column layer's all-reduce issued before its weight-gradient matmul began, waited for after it ended
+    assert overlapped["order"] == {layer: f"backward {layer} input gradient" for layer in layers}
+    # synchronous: no all-reduce under any matmul; each issued after its layer's matmuls, done before the next's
+    assert sync["order"] == dict.fromkeys(layers)
+    matmuls = report.matmul_spans(sync["spans"])
+    collectives = [c for c, _ in report.input_gradient_collectives(sync["spans"])]
+    assert [layer for layer, _ in matmuls] == layers and len(collectives) == len(layers)
+    for k, ((_, m), c) in enumerate(zip(matmuls, collectives)):
+        assert m.end <= c.start, matmuls[k][0]
+        assert k + 1 == len(matmuls) or c.end <= matmuls[k + 1][1].start, matmuls[k][0]
+    for name, r in results.items():
+        assert r["backward"] > r["matmuls"] > 0 and r["all_reduce"] > 0 and 0 <= r["hidden"] <= 1, name
+        assert r["blocked"] > 0, name  # (each all-reduce's call, at least)
+    table = report.overlap_table(results, config=config, b=b)
+    assert table.count("\n| ") == 1 + len(report.PATHS)
+    r = overlapped
+    assert (f"| async_grad_allreduce | {r['backward'] * 1e3:.1f} ms | {r['matmuls'] * 1e3:.1f} ms | "
+            f"{r['all_reduce'] * 1e3:.1f} ms | {r['blocked'] * 1e3:.1f} ms | {100 * r['hidden']:.0f}% |") in table
+    report.plot_overlap(results, str(tmp_path / "overlap.png"))
+    assert (tmp_path / "overlap.png").stat().st_size > 10_000
+
+
 def test_markdown_paths(tmp_path):
     assert report._markdown_path(None, "tp", ["tp"]) is None
     assert report._markdown_path(str(tmp_path), "pp", ["tp", "pp"]) == str(tmp_path / "parallel_pp.md")
     assert report._markdown_path("out/x.md", "tp", ["tp"]) == "out/x.md"
     assert report._markdown_path("out/parallel", "compare", ["tp", "compare"]) == "out/parallel_compare.md"
+    # --plot likewise, for the parts that draw
+    assert report._plot_path(None, "pp", ["pp"]) is None
+    assert report._plot_path("out/g.png", "overlap", ["tp", "overlap"]) == "out/g.png"
+    assert report._plot_path(str(tmp_path), "overlap", ["overlap", "pp"]) == str(tmp_path / "tp_overlap.png")
+    assert report._plot_path("out/fig.png", "pp", ["overlap", "pp"]) == "out/fig_pp.png"

@@ -1,11 +1,13 @@
-"""Chapter 12's measurements: tensor parallelism (and sequence parallelism), the pipeline schedules, and the
-parallelisms side by side on 4 ranks.
+"""Chapter 12's measurements: tensor parallelism (and sequence parallelism), the column layers' input-gradient
+all-reduce behind their weight-gradient matmul, the pipeline schedules, and the parallelisms side by side on 4 ranks.
 
     python -m minifsdp parallel --parts tp --markdown chapters/generated/parallel_tp.md
+    python -m minifsdp parallel --parts overlap --markdown chapters/generated/parallel_overlap.md --plot chapters/figures/tp_overlap.png
     python -m minifsdp parallel --parts pp --markdown chapters/generated/parallel_pp.md --plot chapters/figures/pipeline_gantt.png
     python -m minifsdp parallel --parts compare --markdown chapters/generated/parallel_compare.md
 
-(`--markdown DIR` writes each part's table to DIR/parallel_<part>.md, `--markdown PREFIX` to PREFIX_<part>.md.)
+(`--markdown DIR` writes each part's table to DIR/parallel_<part>.md, `--markdown PREFIX` to PREFIX_<part>.md;
+`--plot` likewise for the two parts that draw: DIR/tp_overlap.png and DIR/pipeline_gantt.png, or PREFIX_<part>.png.)
 
 - tp: TinyGPT over a tensor-parallel group of t = 1, 2, 4 ranks (one launch per t; the model and batch of the
   tensor-parallel tests), with and without sequence parallelism: each rank's parameter bytes (MemoryMeter) against
@@ -13,6 +15,12 @@ parallelisms side by side on 4 ranks.
   formulas of tests/test_ch12_tensor_parallel.py; the bytes forward saves for backward
   (torch.autograd.graph.saved_tensors_hooks), in the LayerNorm region -- what sequence parallelism divides by t --
   and elsewhere.
+- overlap: TinyGPT (h = 256, 2 blocks, 2,048 tokens) over t = 2 ranks, one backward at a time on a Timeline, with
+  f's synchronous all-reduce and with async_grad_allreduce (the column layer starts its input gradient's all-reduce,
+  computes its weight gradient, then waits), median of 5 each, the paths taking turns: backward time, the column
+  layers' matmuls, the all-reduces, the time held by them (in their call or their wait), the share of their time
+  not held (hidden_fraction); both paths' gradients compared bit for bit; the two timelines of rank 0, one above the
+  other.
 - pp: GPipe, 1F1B and interleaved 1F1B (v = 2) on p = 4 ranks, m = 8 micro-batches, every forward made to last
   50 ms and every backward 100 ms (halved for the interleaved schedule's half-size stages; compute_time): the
   bubble each rank measured against (p - 1) / (v m + p - 1), the micro-batches each held at once, the activation
@@ -37,6 +45,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from minifsdp import events
 from minifsdp.ddp import DistributedDataParallel
 from minifsdp.distributed import comm
 from minifsdp.distributed.launch import launch, rank_pool
@@ -44,19 +53,26 @@ from minifsdp.distributed.mesh import init_mesh
 from minifsdp.fsdp import FullyShardedDataParallel, ModuleWrapPolicy
 from minifsdp.measure.meter import MemoryMeter
 from minifsdp.measure.pipeline_timeline import bubble_formula, bubble_fractions, in_flight_peak, pipeline_actions
-from minifsdp.measure.timeline import Timeline
+from minifsdp.measure.timeline import Span, Timeline, hidden_fraction, lane_time
 from minifsdp.models import Block, GPTConfig, TinyGPT, gpt_batch
-from minifsdp.parallel import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B, TensorParallelGPT,
-                               gpt_loss, split_gpt, stages_of_rank)
+from minifsdp.parallel import (ColumnParallelLinear, PipelineStage, Schedule1F1B, ScheduleGPipe,
+                               ScheduleInterleaved1F1B, TensorParallelGPT, gpt_loss, split_gpt, stages_of_rank)
 from minifsdp.parallel.compose import allreduce_gradients
 from minifsdp.reports.format import fmt_bytes, write_report
 from minifsdp.train import OPTIMIZERS
 
-PARTS = ("tp", "pp", "compare")
+PARTS = ("tp", "overlap", "pp", "compare")
+PLOTS = {"overlap": "tp_overlap.png", "pp": "pipeline_gantt.png"}  # the parts that draw, and their default file
 
 # the tensor-parallel tests' model and batch (tests/test_ch12_tensor_parallel.py)
 TP_CONFIG = GPTConfig(n_head=4, n_embd=32, vocab_size=96, n_layer=2, block_size=16)
 TP_BATCH = 4
+# the input gradient's all-reduce behind the weight gradient: b s = 2,048 tokens, wide enough that a column layer's
+# weight-gradient matmul takes milliseconds on one CPU core, and about as long as gloo takes to all-reduce its input
+# gradient (2 MiB) between two processes of one machine -- no simulated link needed
+OVERLAP_CONFIG = GPTConfig(n_layer=2, n_embd=256, n_head=8, vocab_size=256, block_size=128)
+OVERLAP_BATCH, OVERLAP_REPS = 16, 5
+PATHS = {"synchronous": False, "async_grad_allreduce": True}  # TensorParallelGPT's async_grad_allreduce
 # the pipeline tests' model, batch and delays (tests/test_ch12_pipeline.py)
 PP_CONFIG = GPTConfig(n_layer=8, n_embd=16, n_head=2, block_size=8, vocab_size=96)
 PP_BATCH, PP_RANKS, PP_MICRO, PP_VIRTUAL = 16, 4, 8, 2
@@ -226,6 +242,251 @@ def tp_table(rows: list[dict], config: GPTConfig = TP_CONFIG, b: int = TP_BATCH)
                    f"{r[('saved', True)] - r[('ln_region', True)]:,} | {r[('saved', False)]:,} | "
                    f"{r[('saved', True)]:,} |" for r in rows]
     return head + "\n".join(lines) + saved + "\n".join(saved_lines) + "\n"
+
+
+# -- the input gradient's all-reduce behind the weight gradient --------------------------------------------------------
+def _is_input_gradient(tag: str) -> bool:
+    """A column layer's input-gradient collective: f's backward all-reduce (the synchronous path) or the one the
+    column layer starts itself (the async path)."""
+    return tag == "f backward" or tag.endswith(" input gradient")
+
+
+def _column_weights(model: TensorParallelGPT) -> dict:
+    """Each column-parallel weight, and the name its layer goes by in the timeline (the tied head: "lm_head")."""
+    weights = {m.weight: m.name for m in model.modules() if isinstance(m, ColumnParallelLinear)}
+    if model.tied:
+        weights[model.wte.weight] = "lm_head"
+    return weights
+
+
+def mark_column_matmuls(loss: torch.Tensor, weights: dict) -> None:
+    """On the synchronous path autograd computes a column layer's two backward matmuls, dL/dx and dL/dW, in one
+    node (F.linear's AddmmBackward0 or MmBackward0); f's all-reduce follows, in a node of its own. Announce each
+    such node of `loss`'s graph to the timeline as "backward {layer} input + weight gradients" (the async path
+    announces its weight-gradient matmul itself). The hooks go with the graph."""
+    seen, todo = set(), [loss.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        nexts = [n for n, _ in node.next_functions if n is not None]
+        todo.extend(nexts)
+        if node.name() not in ("AddmmBackward0", "MmBackward0"):
+            continue
+        for n in nexts:  # the weight enters F.linear transposed: node -> TBackward0 -> AccumulateGrad(weight)
+            leaves = [m for m, _ in n.next_functions if m is not None] if n.name() == "TBackward0" else []
+            layer = next((weights[m.variable] for m in leaves if hasattr(m, "variable") and m.variable in weights),
+                         None)
+            if layer is not None:
+                label = f"backward {layer} input + weight gradients"
+                node.register_prehook(lambda grads, label=label: events.emit(events.COMPUTE_BEGIN, label))
+                node.register_hook(lambda inputs, outputs, label=label: events.emit(events.COMPUTE_END, label))
+
+
+def overlap_measure(config: GPTConfig = OVERLAP_CONFIG, b: int = OVERLAP_BATCH, reps: int = OVERLAP_REPS) -> dict:
+    """On each rank of a tensor-parallel group of every rank: one TensorParallelGPT per path, from the same TinyGPT;
+    reps + 1 backward passes of each (the paths taking turns to go first; the first pass warms up), each recorded on
+    a Timeline: its spans, its wall time. The paths' gradients, compared bit for bit."""
+    group = _named_group("tp")
+    x, y = gpt_batch(config, 0, b)
+    models = {path: TensorParallelGPT.from_gpt(TinyGPT(config, seed=0), group=group, async_grad_allreduce=a)
+              for path, a in PATHS.items()}
+    weights = _column_weights(models["synchronous"])
+    out, grads = {path: [] for path in PATHS}, {}
+    for rep in range(reps + 1):
+        for path in list(PATHS)[:: 1 if rep % 2 else -1]:
+            model = models[path]
+            loss = model(x, y)
+            if not PATHS[path]:
+                mark_column_matmuls(loss, weights)
+            with Timeline() as tl:
+                t0 = time.perf_counter()
+                with tl.span("backward"):
+                    loss.backward()
+                wall = time.perf_counter() - t0
+            if rep == 0:
+                grads[path] = {k: p.grad.clone() for k, p in model.named_parameters()}
+            else:
+                out[path].append({"wall": wall, "spans": tl.spans()})
+            model.zero_grad(set_to_none=True)
+    sync, asynchronous = grads["synchronous"], grads["async_grad_allreduce"]
+    out["grad_diff"] = max((sync[k] - asynchronous[k]).abs().max().item() for k in sync)
+    out["grads_identical"] = all(torch.equal(sync[k], asynchronous[k]) for k in sync)
+    return out
+
+
+def input_gradient_collectives(spans: list[Span]) -> list[tuple[Span, Span | None]]:
+    """Each input-gradient collective (in a TP backward, every collective is one) and the wait for it, if the rank
+    waited: the k-th wait with a tag is for the k-th collective with that tag. The collective's end is clipped to
+    its wait's: its work was done when the wait returned (the completion stamp comes from a callback on gloo's
+    thread, which can run late on a busy machine)."""
+    collectives = [s for s in spans if s.lane not in ("compute", "wait") and _is_input_gradient(s.name)]
+    waits = [s for s in spans if s.lane == "wait" and _is_input_gradient(s.name)]
+    out, seen = [], defaultdict(int)
+    for c in collectives:
+        tagged = [w for w in waits if w.name == c.name]
+        k, seen[c.name] = seen[c.name], seen[c.name] + 1
+        w = tagged[k] if k < len(tagged) else None
+        out.append((c._replace(end=min(c.end, w.end)) if w is not None else c, w))
+    return out
+
+
+def blocked_spans(spans: list[Span]) -> list[Span]:
+    """When the rank was held by an input-gradient collective: inside the call that issued it (until the rank
+    went on to a matmul or to the wait; gloo's call can take as long as the collective itself when the rank's
+    threads outnumber its cores), and in its wait. Lane "wait", named after the collective."""
+    starts = sorted(m.start for _, m in matmul_spans(spans))
+    out = []
+    for c, w in input_gradient_collectives(spans):
+        returned = min([w.start if w is not None else c.end] + [t for t in starts if t >= c.start])
+        out.append(Span("wait", c.name, c.start, max(c.start, returned)))
+        if w is not None:
+            out.append(w)
+    return out
+
+
+def matmul_spans(spans: list[Span]) -> list[tuple[str, Span]]:
+    """(layer, span) for each column layer's announced backward matmul, in time order (a span the timeline cut in
+    two, around a wait, is one span here)."""
+    out = []
+    for s in spans:
+        if s.lane != "compute":
+            continue
+        for suffix in (" weight gradient", " input + weight gradients"):
+            if s.name.endswith(suffix):
+                layer = s.name[len("backward "): -len(suffix)]
+                if out and out[-1][0] == layer and out[-1][1].name == s.name:
+                    out[-1] = (layer, out[-1][1]._replace(end=s.end))
+                else:
+                    out.append((layer, s))
+    return out
+
+
+def overlap_order(spans: list[Span]) -> dict[str, str | None]:
+    """Per column layer: the input-gradient collective that was on its way through the whole of the layer's
+    backward matmul -- issued before the matmul started, waited for only after it ended -- or None."""
+    pairs = input_gradient_collectives(spans)
+    out = {}
+    for layer, m in matmul_spans(spans):
+        out[layer] = next((c.name for c, w in pairs if c.start <= m.start and (w.end if w else c.end) >= m.end),
+                          None)
+    return out
+
+
+def overlap_stats(spans: list[Span], wall: float) -> dict:
+    """One recorded backward: its wall time, the column layers' announced matmuls, the input gradients'
+    collectives from issue to completion (their union), the time the rank was held by them (blocked_spans), and
+    the share of their time during which it was not (hidden_fraction, the call counted as waiting)."""
+    comm_spans = [c for c, _ in input_gradient_collectives(spans)] + blocked_spans(spans)
+    return {"backward": wall, "matmuls": sum(m.end - m.start for _, m in matmul_spans(spans)),
+            "all_reduce": lane_time(comm_spans, "all_reduce"), "blocked": lane_time(comm_spans, "wait"),
+            "hidden": hidden_fraction(comm_spans)}
+
+
+def overlap_results(config: GPTConfig = OVERLAP_CONFIG, b: int = OVERLAP_BATCH, reps: int = OVERLAP_REPS) -> dict:
+    """Per path, rank 0's: the median of each of overlap_stats over the repetitions; the repetition of median
+    backward time, to draw: its spans, its own overlap_stats ("drawn") and its overlap_order. The paths' gradients
+    must be the same bits."""
+    res = launch(overlap_measure, world_size=2, kwargs=dict(config=config, b=b, reps=reps), device="cpu")
+    for rank, r in enumerate(res):
+        if not r["grads_identical"]:
+            raise AssertionError(f"rank {rank}: the synchronous and the async_grad_allreduce paths give different "
+                                 f"gradients (largest difference {r['grad_diff']:.3g})")
+    out = {}
+    for path in PATHS:
+        recorded = res[0][path]
+        stats = [overlap_stats(r["spans"], r["wall"]) for r in recorded]
+        median = sorted(range(len(recorded)), key=lambda k: stats[k]["backward"])[len(recorded) // 2]
+        out[path] = {k: statistics.median(s[k] for s in stats) for k in stats[0]} | {
+            "spans": recorded[median]["spans"], "drawn": stats[median],
+            "order": overlap_order(recorded[median]["spans"]), "reps": len(recorded)}
+    return out
+
+
+def overlap_table(results: dict, config: GPTConfig = OVERLAP_CONFIG, b: int = OVERLAP_BATCH) -> str:
+    n = b * config.block_size
+    reps = next(iter(results.values()))["reps"]
+    head = (f"**The input gradient's all-reduce behind the weight gradient**: t = 2 CPU ranks over gloo, TinyGPT "
+            f"({config.n_layer} blocks, h = {config.n_embd}, {config.n_head} heads, vocabulary {config.vocab_size}), "
+            f"b = {b}, s = {config.block_size} ({n:,} tokens), fp32; one backward on rank 0, the median of {reps} "
+            f"after one to warm up. Each of the {2 * config.n_layer + 1} column layers (each block's qkv and fc, the "
+            f"tied head) all-reduces an input gradient of {fmt_bytes(n * config.n_embd * 4)}. Column-layer matmuls: "
+            f"the async path's weight-gradient matmuls; on the synchronous path, the autograd nodes that compute "
+            f"dL/dx and dL/dW together. All-reduces: from issue to completion. Blocked: inside an all-reduce's call "
+            f"or its wait. Hidden: the share of the all-reduces' time during which the rank was not blocked "
+            f"(hidden_fraction). Both paths give the same gradients, bit for bit (checked).\n\n"
+            "| path | backward | column-layer matmuls | input-gradient all-reduces | blocked | hidden |\n"
+            "|---|---|---|---|---|---|\n")
+    lines = [f"| {path} | {r['backward'] * 1e3:.1f} ms | {r['matmuls'] * 1e3:.1f} ms | "
+             f"{r['all_reduce'] * 1e3:.1f} ms | {r['blocked'] * 1e3:.1f} ms | {100 * r['hidden']:.0f}% |"
+             for path, r in results.items()]
+    return head + "\n".join(lines) + "\n"
+
+
+def _short(layer: str) -> str:
+    """"blocks.1.attn.qkv" -> "qkv 1", "blocks.0.fc" -> "fc 0", "lm_head" -> "head"."""
+    if layer == "lm_head":
+        return "head"
+    parts = layer.split(".")
+    return f"{parts[-1]} {parts[1]}" if parts[0] == "blocks" else layer
+
+
+def plot_overlap(results: dict, path: str) -> None:
+    """The two paths' backward of median time, one above the other on one time axis (rank 0): a compute row (the
+    column layers' matmuls labelled with their layer, the rest of backward grey, the time held by an all-reduce
+    hatched) and a row for the input gradients' all-reduces, each labelled with its layer."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    other, matmul, reduce_ = "#c7c7c7", "#e6550d", "#6a51a3"
+    fig, axes = plt.subplots(len(PATHS), 1, figsize=(8, 4.8), sharex=True)
+    longest = max(max(s.end for s in results[p]["spans"]) - min(s.start for s in results[p]["spans"]) for p in PATHS)
+    for ax, name in zip(axes, PATHS):
+        r = results[name]["drawn"]
+        spans = results[name]["spans"]
+        matmuls = matmul_spans(spans)
+        origin = min(s.start for s in spans)
+
+        def ms(s, origin=origin):
+            return (s.start - origin) * 1e3, (s.end - s.start) * 1e3
+
+        for s in spans:
+            if s.lane == "compute":
+                color = matmul if s.name.endswith(("weight gradient", "weight gradients")) else other
+                ax.broken_barh([ms(s)], (1.4, 0.8), facecolors=color, edgecolor="none")
+        for s in blocked_spans(spans):  # (over the compute row: the timeline's "backward" runs on through a call)
+            ax.broken_barh([ms(s)], (1.4, 0.8), facecolors="white", edgecolor="0.3", hatch="////", linewidth=0.5)
+        for layer, m in matmuls:  # the layer's name above its matmul
+            left, width = ms(m)
+            ax.text(left + width / 2, 2.25, _short(layer), ha="center", va="bottom", fontsize=10)
+        reduces = [c for c, _ in input_gradient_collectives(spans)]
+        for k, s in enumerate(reduces):  # ... and below its input gradient's all-reduce
+            left, width = ms(s)
+            ax.broken_barh([(left, width)], (0.5, 0.8), facecolors=reduce_, edgecolor="none")
+            # the k-th all-reduce is the k-th column layer's input gradient (both paths go layer by layer)
+            label = _short(matmuls[k][0]) if k < len(matmuls) else ""
+            ax.text(left + width / 2, 0.45, label, ha="center", va="top", fontsize=10, color=reduce_)
+        ax.set_yticks([0.9, 1.8], ["all-reduce", "compute"], fontsize=10)
+        ax.set_ylim(-0.2, 2.8)
+        ax.set_xlim(0, longest * 1e3 * 1.01)
+        ax.tick_params(axis="x", labelsize=10)
+        ax.set_title(f"{name}: backward {r['backward'] * 1e3:.0f} ms, {100 * r['hidden']:.0f}% of the input-gradient "
+                     f"all-reduces hidden", fontsize=11, loc="left")
+        for side in ("top", "right"):
+            ax.spines[side].set_visible(False)
+    axes[-1].set_xlabel("ms since backward began (rank 0 of t = 2 CPU ranks over gloo)", fontsize=10)
+    handles = [Patch(color=matmul, label="column layer's matmuls: dL/dx + dL/dW (sync), dL/dW (async)"),
+               Patch(color=other, label="rest of backward"),
+               Patch(color=reduce_, label="the input gradient's all-reduce"),
+               Patch(facecolor="white", edgecolor="0.3", hatch="////", label="in the all-reduce's call or wait")]
+    fig.legend(handles=handles, loc="upper center", ncol=2, fontsize=10, frameon=False, bbox_to_anchor=(0.5, 1.0))
+    fig.tight_layout(rect=(0, 0, 1, 0.88))
+    fig.savefig(path, dpi=170)
+    plt.close(fig)
 
 
 # -- pipeline parallelism ----------------------------------------------------------------------------------------------
@@ -570,6 +831,18 @@ def _markdown_path(markdown: str | None, part: str, parts) -> str | None:
     return f"{markdown.removesuffix('.md')}_{part}.md"
 
 
+def _plot_path(plot: str | None, part: str, parts) -> str | None:
+    """--plot, as --markdown: a file (with one part that draws), a directory (DIR/tp_overlap.png,
+    DIR/pipeline_gantt.png) or a prefix (PREFIX_<part>.png)."""
+    if not plot:
+        return None
+    if os.path.isdir(plot):
+        return os.path.join(plot, PLOTS[part])
+    if plot.endswith(".png") and len([p for p in parts if p in PLOTS]) == 1:
+        return plot
+    return f"{plot.removesuffix('.png')}_{part}.png"
+
+
 def run_parallel_report(parts=PARTS, markdown: str | None = None, plot: str | None = None) -> None:
     parts = list(parts)
     unknown = set(parts) - set(PARTS)
@@ -578,11 +851,17 @@ def run_parallel_report(parts=PARTS, markdown: str | None = None, plot: str | No
     with rank_pool():  # the launches at 4 ranks share their processes
         if "tp" in parts:
             write_report(tp_table(tp_results()), _markdown_path(markdown, "tp", parts))
+        if "overlap" in parts:
+            results = overlap_results()
+            write_report(overlap_table(results), _markdown_path(markdown, "overlap", parts))
+            if plot:
+                plot_overlap(results, _plot_path(plot, "overlap", parts))
+                print(f"wrote {_plot_path(plot, 'overlap', parts)}")
         if "pp" in parts:
             results = pp_results()
             write_report(pp_table(results), _markdown_path(markdown, "pp", parts))
             if plot:
-                plot_gantt(results, plot)
-                print(f"wrote {plot}")
+                plot_gantt(results, _plot_path(plot, "pp", parts))
+                print(f"wrote {_plot_path(plot, 'pp', parts)}")
         if "compare" in parts:
             write_report(compare_table(compare_results()), _markdown_path(markdown, "compare", parts))
