@@ -281,3 +281,19 @@ def test_backward_prefetch_names_match_torch():
     from torch.distributed.fsdp import BackwardPrefetch as TorchBackwardPrefetch
 
     assert {m.name for m in BackwardPrefetch} == {m.name for m in TorchBackwardPrefetch}
+
+
+def test_a_throttled_wait_ends_when_the_link_delivers_not_later():
+    """The link's delay runs from the collective's issue: a wait whose backend work itself took 0.2 s, on a
+    link that delivers 0.3 s after the issue, returns at 0.3 s -- not at 0.2 + 0.3 s."""
+    import time as clock
+
+    from minifsdp.distributed.comm import Handle
+
+    class SlowWork:
+        def wait(self):
+            clock.sleep(0.2)
+
+    start = clock.perf_counter()
+    Handle(SlowWork(), [], not_before=start + 0.3, tag="throttled").wait()
+    assert 0.3 <= clock.perf_counter() - start < 0.45

@@ -215,8 +215,9 @@ class Handle:
             except RuntimeError as e:  # a timeout, or a peer gone: say which collective this rank was in
                 raise collective_error(self._where, rank(), world_size(), e) from e
             self._work = None
-        if self._not_before > t0:   # the simulated network has not delivered it yet
-            time.sleep(self._not_before - t0)
+        now = time.perf_counter()    # (after the real collective: the link's delay runs from its issue, not ours)
+        if self._not_before > now:   # the simulated network has not delivered it yet
+            time.sleep(self._not_before - now)
         t1 = time.perf_counter()
         for e in self._events:
             if math.isnan(e.done):  # no completion seen by the backend's callback: waiting is when we know
