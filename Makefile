@@ -37,6 +37,8 @@ figures:          ## regenerate every figure and table the chapters include
 	$(PY) -m minifsdp parallel --parts compare --markdown chapters/generated/parallel_compare.md
 	$(PY) -m minifsdp parity --world-sizes 1 2 3 4 --markdown chapters/generated/parity.md
 	$(PY) -m minifsdp step-time --models 7b 70b --nodes 1 8 --gpus-per-node 8 --markdown chapters/generated/step_time.md --published chapters/generated/step_time_vs_published.md
+	$(PY) -m minifsdp simulate --model 7b 70b --world-sizes 8 16 32 64 128 256 512 1024 --strategy ddp oss sdp fsdp fully_shard --plot chapters/figures/scaling_memory.png --markdown chapters/generated/scaling_memory.md
+	$(PY) -m minifsdp simulate --example all --markdown chapters/generated/worked_examples.md
 	grep -cvE '^\s*(#|$$)' minifsdp/ddp/ddp.py minifsdp/zero/oss.py minifsdp/zero/sdp.py minifsdp/zero/flat.py minifsdp/zero/flat_sdp.py > chapters/generated/loc.txt
 
 docs:             ## build the site into site/ (fails on any broken link or include)

@@ -10,8 +10,8 @@ The package, one sub-package per idea:
     checkpoint/   chapter 10: save and load every strategy through torch.distributed.checkpoint
     fsdp2/        chapter 11: fully_shard, per-parameter sharding on DTensor; replicate; HSDP
     parallel/     chapter 12: Megatron tensor and sequence parallelism, pipeline schedules
-    measure/      chapters 2, 7, 12: the meter, the analytic model, timelines (they observe; nothing above
-                  imports them)
+    measure/      chapters 2, 7, 12, 13: the meter, the analytic model, timelines, the simulator (they observe;
+                  nothing above imports them)
     reports/      the tour and every chapter's report
     course/       student copies and grading
 and beside them the models, the training harness (train.py), mixed precision (chapter 8) and events.py.

@@ -16,6 +16,7 @@
     python -m minifsdp parity [--world-sizes 1 2 3 4]                       chapter 6: parity of every strategy vs torch
     python -m minifsdp gpu-check [--markdown PATH]                          every strategy on NCCL (GPUs only)
     python -m minifsdp step-time [--models 7b 70b] [--nodes 1 8]          chapter 13: the alpha-beta step-time model
+    python -m minifsdp simulate [--model 7b] [--world-size 1024]            chapter 13: rank 0 of N, on meta tensors
     python -m minifsdp demo [--world-size 3]                                all-reduce = reduce-scatter + all-gather
     python -m minifsdp student OUT_DIR                                      a student copy, solutions removed
     python -m minifsdp grade [PATH]                                         run each chapter's tests, print a score
@@ -138,6 +139,23 @@ def main(argv: list[str] | None = None) -> int:
     stm.add_argument("--markdown", default=None)
     stm.add_argument("--published", default=None, help="also write the comparison with published runs here")
 
+    sim = sub.add_parser("simulate", help="chapter 13: the real wrappers as rank 0 of N (meta tensors, fake process "
+                                          "group): memory per phase and bytes per collective vs the analytic model")
+    sim.add_argument("--model", "--models", dest="models", nargs="+", default=["7b"],
+                     help="from: 1b 7b 13b 70b 175b zero-7.5b fsdp-notes tiny")
+    sim.add_argument("--world-size", "--world-sizes", dest="world_sizes", type=int, nargs="+", default=[8])
+    sim.add_argument("--strategy", "--strategies", dest="strategies", nargs="+", default=["fsdp"],
+                     help="from: ddp oss sdp fsdp fully_shard")
+    sim.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "bf16-master"])
+    sim.add_argument("--seq-len", type=int, default=4096)
+    sim.add_argument("--micro-batch", type=int, default=1)
+    sim.add_argument("--checkpoint-activations", action="store_true", help="recompute each layer in backward")
+    sim.add_argument("--layers", type=int, default=None, help="override the model's number of decoder layers")
+    sim.add_argument("--example", "--examples", dest="examples", nargs="+", default=[],
+                     help="the seeds' worked examples instead: fsdp-notes zero-7.5b limit-all-gathers (or all)")
+    sim.add_argument("--markdown", default=None)
+    sim.add_argument("--plot", default=None, help="draw memory per rank vs N (a sweep)")
+
     demo = sub.add_parser("demo", help="all-reduce built from reduce-scatter + all-gather, checked")
     demo.add_argument("--world-size", type=int, default=3)
 
@@ -202,6 +220,16 @@ def main(argv: list[str] | None = None) -> int:
         run_step_time_report(models=args.models, nodes=args.nodes, gpus_per_node=args.gpus_per_node, gpu=args.gpu,
                              seq_len=args.seq_len, micro_batch=args.micro_batch, markdown=args.markdown,
                              published=args.published, calibrate=not args.no_calibrate)
+    elif args.command == "simulate":
+        from minifsdp.measure.simulate import run_simulate
+        try:
+            run_simulate(models=args.models, world_sizes=args.world_sizes, strategies=args.strategies,
+                         precision=args.precision, seq_len=args.seq_len, micro_batch=args.micro_batch,
+                         checkpoint_activations=args.checkpoint_activations, layers=args.layers,
+                         markdown=args.markdown, plot=args.plot, examples=args.examples)
+        except ValueError as e:
+            print(f"minifsdp simulate: {e}", file=sys.stderr)
+            return 2
     elif args.command == "demo":
         from minifsdp.ddp.collectives import demo_all_reduce_by_parts
         from minifsdp.distributed.launch import launch

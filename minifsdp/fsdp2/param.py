@@ -34,7 +34,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from minifsdp.distributed import comm
-from minifsdp.fsdp.flat_param import _side_stream
+from minifsdp.fsdp.flat_param import _alloc_storage, _free_storage, _side_stream
 
 
 # --8<-- [start:shard]
@@ -76,14 +76,13 @@ class FSDPParam:
         if self.unsharded is None or self.unsharded.dtype != dtype:
             self.unsharded = nn.Parameter(self.padded.new_empty(self.shape, dtype=dtype))
         self.unsharded.requires_grad_(self.sharded.requires_grad)  # frozen or unfrozen since, as the user said
-        storage = self.unsharded.untyped_storage()
-        if storage.size() == 0:
-            storage.resize_(self.unsharded.numel() * self.unsharded.element_size())
+        if self.unsharded.untyped_storage().size() == 0:
+            _alloc_storage(self.unsharded)  # (in place, announced: no op reports a resize; the meter listens)
         return self.unsharded.data
 
     def free_unsharded(self) -> None:
         if self.unsharded is not None:
-            self.unsharded.untyped_storage().resize_(0)
+            _free_storage(self.unsharded)
 
     def show(self, param: nn.Parameter) -> None:
         """Register `param` at every place of this parameter: the module computes with what it finds there."""
@@ -116,6 +115,17 @@ class FSDPParam:
     @property
     def padded_numel(self) -> int:
         return self.padded.numel()
+
+
+def _by_rank(t: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`t`'s rows as the ranks hold them (rank q: rows q*rows onwards, as torch.chunk cuts): the ranks with
+    all `rows` rows as one (ranks, rows x row size) view, and the next rank's shorter part, if any (the ranks
+    after it hold none). A copy through these moves every rank's rows at once: two copies, not one per rank
+    -- at 1,024 ranks that is the difference between two kernels per parameter and 1,024."""
+    full_ranks, left = divmod(t.shape[0], rows)
+    flat = t.reshape(-1)  # (contiguous: a view, so copies into the pieces land in `t`)
+    size = rows * (t.numel() // t.shape[0])
+    return flat[: full_ranks * size].view(full_ranks, size), flat[full_ranks * size:] if left else None
 
 
 def _contiguous_stride(shape) -> tuple[int, ...]:
@@ -168,9 +178,10 @@ class FSDPParamGroup:
         slots = out.view(self.world_size, -1)  # row q: rank q's shards, end to end
         offset = 0
         for p in self.params:
-            full = p.alloc_unsharded(out.dtype)
-            for q, rows in enumerate(full.split(p.rows)):  # rank q's real rows of this parameter
-                rows.view(-1).copy_(slots[q, offset: offset + rows.numel()])
+            whole, last = _by_rank(p.alloc_unsharded(out.dtype), p.rows)  # row q: rank q's real rows
+            whole.copy_(slots[: len(whole), offset: offset + whole.shape[1]])
+            if last is not None:
+                last.copy_(slots[len(whole), offset: offset + last.numel()])
             p.show(p.unsharded)  # the module computes with the whole parameter
             offset += p.padded_numel
         if out.is_cuda:  # made on the all-gather stream, read by the copy-out on this one: free it after that
@@ -209,9 +220,11 @@ class FSDPParamGroup:
         inp = torch.zeros(n, sum(p.padded_numel for p in params), dtype=dtype, device=grads[0][1].device)
         offset = 0
         for i, (p, grad) in enumerate(grads):
-            for q, rows in enumerate(grad.split(p.rows)):  # rank q's rows go to slot q
-                inp[q, offset: offset + rows.numel()].copy_(rows.reshape(-1))
-            grads[i] = grad = rows = None  # copied in: the unsharded gradient goes now
+            whole, last = _by_rank(grad, p.rows)  # rank q's rows go to slot q
+            inp[: len(whole), offset: offset + whole.shape[1]].copy_(whole)
+            if last is not None:
+                inp[len(whole), offset: offset + last.numel()].copy_(last)
+            grads[i] = grad = whole = last = None  # copied in: the unsharded gradient goes now
             offset += p.padded_numel
         out = inp.new_empty(inp.shape[1])
         comm.reduce_scatter(out, inp.view(-1), op=comm.ReduceOp.AVG, tag=f"reduce_scatter {self.name}",

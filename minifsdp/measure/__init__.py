@@ -1,4 +1,5 @@
-"""Chapters 2 and 7: the one place minifsdp measures -- the memory meter, the analytic model, timelines.
+"""Chapters 2, 7 and 13: the one place minifsdp measures -- the memory meter, the analytic model, timelines, and
+the simulator (simulate.py: the wrappers as rank 0 of N, on meta tensors under a fake process group).
 
 It observes the algorithms (through minifsdp/events.py and the communication layer's counter); the
 algorithms never import it.

@@ -17,7 +17,14 @@ How it measures:
 
 Categories: params, grads (the `.grad` of watched params), optim (tensors in optimizer.state) and other
 (activations, temporaries, communication buffers). A storage is re-labelled the moment it becomes a
-gradient or optimizer state (hooks), so the split at the peak is right too.
+gradient or optimizer state (hooks), so the split at the peak is right too. A meter made with
+`categories=CATEGORIES + ("unsharded",)` has a category of that name too, for storages given to
+`watch(...)` under it (chapter 13: FSDP's full parameters, apart from the shards); a storage watched under a
+category keeps it.
+
+Meta tensors (chapter 13) are counted as if they were real: a meta storage has no memory, but it has a
+size, `nbytes()`, and it lives and dies as a real one would. So the same model, wrapper and step give the
+same figures on the meta device as on the CPU, at sizes no machine here could hold.
 
 A storage that changes size in place (storage.resize_ is not an op a dispatch mode sees) is announced by
 the runtime as an event (minifsdp/events.py: FSDP frees and re-allocates its unsharded parameters this
@@ -75,14 +82,23 @@ class _Tracker(TorchDispatchMode):
 
 
 class MemoryMeter:
-    def __init__(self, model: torch.nn.Module | None = None, optimizer=None):
+    def __init__(self, model: torch.nn.Module | None = None, optimizer=None, categories: tuple = CATEGORIES,
+                 refresh: bool = True):
+        if not set(CATEGORIES) <= set(categories):
+            raise ValueError(f"categories must include {CATEGORIES}, got {categories!r}")
+        self.categories = tuple(categories)
+        # re-read every live storage's size at every op (_refresh): for code that resizes storages without
+        # announcing it (torch's own FSDP2). minifsdp's wrappers announce theirs, so a meter of them alone
+        # may pass refresh=False and save O(live storages) per op (chapter 13 does, on models of 70B)
+        self.refresh = refresh
         self._live: dict[int, list] = {}  # id(storage) -> [nbytes, category, weakref]
         self._by_cat = defaultdict(int)
+        self._pinned: set[int] = set()    # ids of storages watch() labelled: they keep their category
         self._hooks = []
         self._models, self._optimizers = [], []
         self.peak = 0
-        self.peak_by_category = {c: 0 for c in CATEGORIES}  # the split at the moment of the peak
-        self.category_peak = {c: 0 for c in CATEGORIES}     # each category's own highest, at any moment
+        self.peak_by_category = {c: 0 for c in self.categories}  # the split at the moment of the peak
+        self.category_peak = {c: 0 for c in self.categories}     # each category's own highest, at any moment
         self.snapshots: dict[str, dict[str, int]] = {}
         self._mode = None
         if model is not None:
@@ -93,6 +109,11 @@ class MemoryMeter:
     # -- what we track -------------------------------------------------------------------------------
     # --8<-- [start:track]
     def _track(self, storage, category: str) -> None:
+        self._label(storage, category)
+        self._update_peak()
+
+    def _label(self, storage, category: str) -> None:
+        """Count the storage under `category` (a new one, or one that just changed roles); no peak update."""
         key = id(storage)
         entry = self._live.get(key)
         if entry is None:
@@ -100,11 +121,10 @@ class MemoryMeter:
             ref = weakref.ref(storage, lambda _, key=key: self._free(key))
             self._live[key] = entry = [nbytes, category, ref]
             self._by_cat[category] += nbytes
-        elif entry[1] != category and category != "other":
+        elif entry[1] != category and category != "other" and key not in self._pinned:
             self._by_cat[entry[1]] -= entry[0]  # e.g. an autograd output that just became p.grad
             self._by_cat[category] += entry[0]
             entry[1] = category
-        self._update_peak()
 
     def _resize(self, storage) -> None:
         entry = self._live.get(id(storage))
@@ -117,6 +137,7 @@ class MemoryMeter:
         self._update_peak()
 
     def _free(self, key: int) -> None:
+        self._pinned.discard(key)
         entry = self._live.pop(key, None)
         if entry is not None:
             self._by_cat[entry[1]] -= entry[0]
@@ -132,13 +153,14 @@ class MemoryMeter:
                 entry[0] = storage.nbytes()
 
     def _update_peak(self) -> None:
-        self._refresh()
+        if self.refresh:
+            self._refresh()
         total = sum(self._by_cat.values())
-        for c in CATEGORIES:
+        for c in self.categories:
             self.category_peak[c] = max(self.category_peak[c], self._by_cat[c])
         if total > self.peak:
             self.peak = total
-            self.peak_by_category = {c: self._by_cat[c] for c in CATEGORIES}
+            self.peak_by_category = {c: self._by_cat[c] for c in self.categories}
     # --8<-- [end:track]
 
     def watch_model(self, model: torch.nn.Module) -> None:
@@ -152,9 +174,15 @@ class MemoryMeter:
 
     def watch(self, tensors, category: str) -> None:
         """Count these tensors' storages under `category` from now on, whatever their size becomes (e.g.
-        FSDP's unsharded buffers as "params": they are parameters while a unit computes)."""
+        FSDP's unsharded buffers as "params": they are parameters while a unit computes). The storages keep
+        the category: the model's parameters re-labelled "params" at live() leave them as they are."""
+        if category not in self.categories:
+            raise ValueError(f"category {category!r} is not one of this meter's {self.categories}")
         for t in tensors:
-            self._track(_storage(t), category)
+            storage = _storage(t)
+            self._pinned.discard(id(storage))
+            self._track(storage, category)
+            self._pinned.add(id(storage))
 
     def _label_grad(self, p) -> None:
         if p.grad is not None:  # ZeRO-2 may already have dropped a gradient this rank does not own
@@ -186,7 +214,7 @@ class MemoryMeter:
                 self._track(_storage(p), "params")
                 if p.grad is not None:
                     self._track(_storage(p.grad), "grads")
-        out = {c: self._by_cat[c] for c in CATEGORIES}
+        out = {c: self._by_cat[c] for c in self.categories}
         out["total"] = sum(out.values())
         return out
 
@@ -194,9 +222,13 @@ class MemoryMeter:
         self.snapshots[label] = snap = self.live()
         return snap
 
+    def peak_snapshot(self) -> dict[str, int]:
+        """The split by category at the moment of the peak (since the last reset_peak), and its total."""
+        return {**self.peak_by_category, "total": self.peak}
+
     def reset_peak(self) -> None:
         self.peak = 0
-        self.category_peak = {c: 0 for c in CATEGORIES}
+        self.category_peak = {c: 0 for c in self.categories}
         self._update_peak()
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.reset_peak_memory_stats()
