@@ -388,6 +388,7 @@ def misfits(root):
         checkpoint.save(root / "rotating", model, opt, step=step, keep_last=2)
     out["kept"] = sorted(os.listdir(root / "rotating"))
     out["newest"] = get_full_state_dict(model)
+    dist.barrier()  # every rank has listed the directory before rank 0 adds to it
     if r == 0:
         (root / "rotating" / "step_00000099").mkdir()  # no .metadata: a save that never finished
     dist.barrier()

@@ -109,10 +109,10 @@ class MemoryMeter:
     # -- what we track -------------------------------------------------------------------------------
     # --8<-- [start:track]
     def _track(self, storage, category: str) -> None:
-        self._label(storage, category)
+        self._set_category(storage, category)
         self._update_peak()
 
-    def _label(self, storage, category: str) -> None:
+    def _set_category(self, storage, category: str) -> None:
         """Count the storage under `category` (a new one, or one that just changed roles); no peak update."""
         key = id(storage)
         entry = self._live.get(key)

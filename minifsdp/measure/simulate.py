@@ -208,7 +208,7 @@ class StepMeter(MemoryMeter):
             for i, p in enumerate(self._grad_params):
                 grad = p.grad
                 if grad is not None and grad is not self._grads_seen[i]:
-                    self._label(getattr(grad, "_local_tensor", grad).untyped_storage(), "grads")
+                    self._set_category(getattr(grad, "_local_tensor", grad).untyped_storage(), "grads")
                 self._grads_seen[i] = grad
         super()._update_peak()
 
