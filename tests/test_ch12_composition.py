@@ -38,6 +38,7 @@ from minifsdp.parallel import (PipelineStage, Schedule1F1B, ScheduleInterleaved1
                                split_gpt, stages_of_rank)
 from minifsdp.parallel.compose import allreduce_gradients
 from minifsdp.parallel.mappings import full_tensor
+from minifsdp.reports.parallel import tp_step_bytes_formula
 from minifsdp.train import OPTIMIZERS
 
 STEPS, BATCH, MICRO = 3, 8, 2
@@ -178,24 +179,14 @@ def test_equals_one_process(ranks, refs, case):
             assert max(abs(a - b) for a, b in zip(out["losses"], ref_losses)) <= ATOL, r
 
 
-def tp_step_bytes(sp, t=2, b=BATCH // 2):
-    """Chapter 12's tensor-parallel bytes per step on the "tp" group (tests/test_ch12_tensor_parallel.py)."""
-    c, rho = TP_CONFIG, (t - 1) / t
-    L, act, tok = c.n_layer, b * c.block_size * c.n_embd * 4, b * c.block_size * 4
-    if not sp:
-        return {"all_reduce": 2 * rho * (act * (4 * L + 2) + 3 * tok)}
-    sp_grads = (6 * L + 2) * c.n_embd * 4
-    return {"all_reduce": 2 * rho * (act + 3 * tok + sp_grads), "all_gather": rho * act * (6 * L + 3),
-            "reduce_scatter": rho * act * (4 * L + 1)}
-
-
 @pytest.mark.parametrize("kind", ["dp_tp_sp", "fsdp_tp"])
 def test_dp_x_tp_bytes_per_group(ranks, kind):
     d = 2
     for res in ranks:
         out = res[(kind, "sgd")]
         per_step = {g: {k: b / STEPS for k, b in kinds.items()} for g, kinds in out["bytes"].items()}
-        assert per_step["tp"] == tp_step_bytes(sp=kind == "dp_tp_sp")  # the replica's own, unchanged by dp
+        # the replica's own tensor-parallel bytes, for its half of the batch, unchanged by dp
+        assert per_step["tp"] == tp_step_bytes_formula(TP_CONFIG, BATCH // d, 2, sequence_parallel=kind == "dp_tp_sp")
         slices = 4 * out["psi_local"]  # bytes of this rank's slices: the data-parallel payload (14,912 numbers)
         if kind == "dp_tp_sp":  # DDP: one all-reduce of the gradients
             assert per_step["dp"] == {"all_reduce": 2 * slices * (d - 1) / d}

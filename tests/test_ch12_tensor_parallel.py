@@ -68,8 +68,6 @@ at t = 4.
 One launch per world size computes every case; each rank returns what it measured.
 """
 
-from collections import defaultdict
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -83,6 +81,7 @@ from minifsdp.models import GPTConfig, TinyGPT, count_params, gpt_batch
 from minifsdp.parallel import (ColumnParallelLinear, RowParallelLinear, TensorParallelGPT, VocabParallelEmbedding,
                                full_tensor, vocab_parallel_cross_entropy)
 from minifsdp.parallel.tp_gpt import ParallelBlock
+from minifsdp.reports.parallel import is_sp_region, saved_for_backward
 from minifsdp.train import OPTIMIZERS, max_abs_diff
 
 WORLD_SIZES = (1, 2, 4)
@@ -286,48 +285,7 @@ def param_memory(group):
 def saved_activation_bytes(group, sequence_parallel):
     """Bytes saved for backward by one forward, by the module that saved them (the lm head counted as one)."""
     model = TensorParallelGPT.from_gpt(TinyGPT(CONFIG, seed=0), group=group, sequence_parallel=sequence_parallel)
-    stack, hooks = [""], []
-
-    def leave(module, args, output):
-        stack.pop()  # (and return None: a forward hook's result would replace the output)
-
-    for name, m in model.named_modules():
-        hooks.append(m.register_forward_pre_hook(lambda m, args, name=name: stack.append(name)))
-        hooks.append(m.register_forward_hook(leave))
-    lm_logits = model.lm_logits
-
-    def lm_head(x):  # a method, not a module: name its scope by hand
-        stack.append("lm_head")
-        try:
-            return lm_logits(x)
-        finally:
-            stack.pop()
-
-    model.lm_logits = lm_head
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved = {}
-
-    def pack(t):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
-            saved.setdefault(storage.data_ptr(), (stack[-1], storage.nbytes()))
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = model(*data(0))
-    loss.backward()
-    for h in hooks:
-        h.remove()
-    out = defaultdict(int)
-    for name, nbytes in saved.values():
-        out[name] += nbytes
-    return dict(out)
-
-
-def is_sp_region(name):
-    """The modules that run on token shards under sequence parallelism, and the column layers that save their
-    inputs (the LayerNorms' outputs)."""
-    return name.split(".")[-1] in ("ln_1", "ln_2", "ln_f", "qkv", "fc", "lm_head")
+    return saved_for_backward(model, *data(0))
 
 
 # -- the overlap, on a timeline ----------------------------------------------------------------------------------------

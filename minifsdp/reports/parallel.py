@@ -130,7 +130,7 @@ def ln_region_formula(config: GPTConfig, b: int) -> int:
     return config.n_layer * (4 * S + 4 * per_token) + (2 * S + 2 * per_token)
 
 
-def _is_ln_region(name: str) -> bool:
+def is_sp_region(name: str) -> bool:
     """The modules that run on token shards under sequence parallelism, and the column layers that save their
     inputs (the LayerNorms' outputs)."""
     return name.split(".")[-1] in ("ln_1", "ln_2", "ln_f", "qkv", "fc", "lm_head")
@@ -197,7 +197,7 @@ def tp_measure(config: GPTConfig = TP_CONFIG, b: int = TP_BATCH) -> dict:
         model.zero_grad()
         saved = saved_for_backward(model, x, y)
         out[("saved", sp)] = sum(saved.values())
-        out[("ln_region", sp)] = sum(v for k, v in saved.items() if _is_ln_region(k))
+        out[("ln_region", sp)] = sum(v for k, v in saved.items() if is_sp_region(k))
     return out
 
 
