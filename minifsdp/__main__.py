@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     sim = sub.add_parser("simulate", help="chapter 13: the real wrappers as rank 0 of N (meta tensors, fake process "
                                           "group): memory per phase and bytes per collective vs the analytic model")
     sim.add_argument("--model", "--models", dest="models", nargs="+", default=["7b"],
-                     help="from: 1b 7b 13b 70b 175b zero-7.5b fsdp-notes tiny")
+                     help="from: 1b (TinyLlama 1.1B) 7b 13b 70b (Llama 2) 175b (GPT-3's shape) zero-7.5b fsdp-notes tiny")
     sim.add_argument("--world-size", "--world-sizes", dest="world_sizes", type=int, nargs="+", default=[8])
     sim.add_argument("--strategy", "--strategies", dest="strategies", nargs="+", default=["fsdp"],
                      help="from: ddp oss sdp fsdp fully_shard")

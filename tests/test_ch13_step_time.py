@@ -24,6 +24,19 @@ PREFETCH = {None: None, "pre": "pre", "post": "post"}
 
 
 # -- alpha-beta, by hand ---------------------------------------------------------------------------------------
+@pytest.mark.mechanism
+@pytest.mark.exercise("13.1")
+def test_steps_are_counted_per_algorithm():
+    """The latency term on its own: a ring pays alpha once per hop of the data around the ring (twice round
+    for an all-reduce), a tree once per level, up and down."""
+    assert [st.algorithm_steps("all_reduce", n) for n in (1, 2, 3, 8)] == [0, 2, 4, 14]
+    assert [st.algorithm_steps(k, 5) for k in ("all_gather", "reduce_scatter")] == [4, 4]
+    assert [st.algorithm_steps("all_reduce", n, "tree") for n in (2, 3, 8, 9)] == [2, 4, 6, 8]
+    with pytest.raises(ValueError, match="'ring' or 'tree'"):
+        st.algorithm_steps("all_reduce", 4, "star")
+
+
+@pytest.mark.exercise("13.1")
 def test_alpha_beta_on_hand_computed_cases():
     link = st.Link(alpha=1e-6, busbw=1e9)
     # ring all-reduce of 1 MB on 8 ranks: 2*7 steps, 2 * 1e6 * 7/8 bytes
@@ -43,6 +56,7 @@ def test_alpha_beta_on_hand_computed_cases():
         st.alpha_beta("all_gather", 1e6, 8, link, "tree")
 
 
+@pytest.mark.exercise("13.1")
 def test_ring_and_tree_cross_where_the_formula_says():
     link = st.Link(alpha=1e-6, busbw=1e11)
     s = st.ring_tree_crossover(8, link)
@@ -58,6 +72,7 @@ def test_ring_and_tree_cross_where_the_formula_says():
     assert st.ring_tree_crossover(1024, slow_tree) > 0
 
 
+@pytest.mark.exercise("13.1")
 def test_hierarchical_collectives():
     c = st.Cluster(st.H100, nodes=2)
     nvl, nic = st.H100.nvlink, c.nic
@@ -77,6 +92,8 @@ def test_hierarchical_collectives():
 
 
 # -- the two-stream simulation, by hand -----------------------------------------------------------------------
+@pytest.mark.mechanism
+@pytest.mark.exercise("13.2")
 def test_simulation_of_a_hand_worked_program():
     program = [st.Compute("A", 2.0),
                st.Collective("x", "all_gather", "c1", 3.0),               # 2 -> 5
@@ -98,6 +115,7 @@ def test_simulation_of_a_hand_worked_program():
     assert sim.hidden == pytest.approx(0.5)  # on the wire 2 -> 8, blocked 3 of those 6
 
 
+@pytest.mark.exercise("13.2")
 def test_the_step_is_not_max_of_compute_and_comm():
     """Same compute, same communication, different order: the waits differ, and so does the step."""
     late = [st.Compute("f", 1.0), st.Collective("g", "all_gather", "c", 1.0), st.Wait("g"), st.Compute("h", 1.0)]
@@ -144,6 +162,7 @@ def test_built_issue_order_equals_a_recorded_minifsdp_step(recorded, mode):
         assert st.recorded_sequence(r["events"], r["segments"]) == built, mode
 
 
+@pytest.mark.exercise("13.2")
 def test_a_recorded_step_fed_in_keeps_its_own_structure(recorded):
     """The recorded program with instant collectives: the host computes exactly as it did between its waits,
     so the simulated step is the recorded span less the time it sat blocked."""
@@ -160,6 +179,7 @@ def test_a_recorded_step_fed_in_keeps_its_own_structure(recorded):
 CASES = [(s, m) for s in st.STRATEGIES for m in (st.LLAMA2_7B, st.LLAMA2_13B)]
 
 
+@pytest.mark.exercise("13.1", "13.2")
 @pytest.mark.parametrize("strategy,model", CASES)
 def test_more_bandwidth_or_compute_is_never_slower(strategy, model):
     run = st.Run(seq_len=2048, micro_batch=1)
@@ -173,6 +193,7 @@ def test_more_bandwidth_or_compute_is_never_slower(strategy, model):
     assert st.predict(strategy, model, slower_hops, run).step >= t
 
 
+@pytest.mark.exercise("13.1", "13.2")
 @pytest.mark.parametrize("nodes", [2, 4, 16, 64])
 def test_hsdp_is_never_slower_than_full_shard_across_nodes(nodes):
     """Where each rank's bytes cross nodes on its own NIC, HSDP moves its all-gathers and reduce-scatters onto
@@ -193,6 +214,7 @@ def test_hsdp_is_never_slower_than_full_shard_across_nodes(nodes):
         assert hsdp <= fsdp + optimizer + tail
 
 
+@pytest.mark.exercise("13.1", "13.2")
 def test_hiding_threshold_separates_hidden_from_exposed():
     c, run = st.Cluster(st.H100, nodes=8), st.Run(seq_len=4096)
     t = st.hiding_threshold("fsdp", st.LLAMA2_7B, c, run)
@@ -238,6 +260,7 @@ def test_every_published_row_cites_a_source_and_the_table_regenerates():
         assert math.isfinite(c["error"]) and c["predicted"] > 0
 
 
+@pytest.mark.exercise("13.1", "13.2")
 def test_calibration_rows_are_met_by_the_stored_efficiencies():
     for row in st.PUBLISHED:
         if row.calibration:
@@ -245,6 +268,7 @@ def test_calibration_rows_are_met_by_the_stored_efficiencies():
             assert st.calibrate_efficiency(row) == pytest.approx(row.gpu.efficiency, rel=0.005)
 
 
+@pytest.mark.exercise("13.1", "13.2")
 def test_the_command_writes_both_pages(tmp_path):
     from minifsdp.__main__ import main
 

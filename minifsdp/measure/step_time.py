@@ -60,6 +60,7 @@ def algorithm_steps(kind: str, n: int, algorithm: str = "ring") -> int:
     """How many steps (each paying alpha once) a collective over n ranks takes."""
     if n <= 1:
         return 0
+    # BEGIN EXERCISE 13.1: a ring's steps (an all-reduce is a reduce-scatter then an all-gather); a tree's
     if algorithm == "ring":
         return 2 * (n - 1) if kind == "all_reduce" else n - 1
     if algorithm == "tree":
@@ -67,6 +68,7 @@ def algorithm_steps(kind: str, n: int, algorithm: str = "ring") -> int:
             raise ValueError("the tree algorithm is an all-reduce's (as in NCCL): all-gather and "
                              "reduce-scatter are rings")
         return 2 * math.ceil(math.log2(n))  # up the tree (reduce), then down it (broadcast)
+    # END EXERCISE
     raise ValueError(f"algorithm must be 'ring' or 'tree', not {algorithm!r}")
 
 
@@ -116,7 +118,7 @@ class GPU:
 # model caps an A100's bus bandwidth at 235 GB/s ("if (compCap80) busBw = std::min(busBw, 235.0f)", the
 # file above): the bus bandwidth used here.
 # H100 SXM: 989 TFLOP/s bf16 dense, 3.35 TB/s HBM3, NVLink 4 at 450 GB/s per direction. No H100 cap in that
-# file; we take the same fraction of the link NCCL reaches on an A100 (235/300 = 0.78): 353 GB/s. (Published
+# file; we take the same fraction of the link NCCL reaches on an A100 (235/300, about 0.78): 0.78 x 450 = 351 GB/s. (Published
 # all-reduce figures of 460-480 GB/s on 8 H100s exceed the 450 GB/s link, so they come from reductions in the
 # NVSwitch, NVLS, which rings of all-gathers and reduce-scatters do not get.)
 # `efficiency` is fitted to one published run per GPU (the rows marked "calibration" in PUBLISHED) and then
@@ -371,18 +373,20 @@ def simulate(program) -> Simulated:
             spans.append(Span("compute", op.name, now, now + op.seconds))
             now += op.seconds
             compute += op.seconds
-        elif isinstance(op, Collective):
+            continue
+        if not isinstance(op, (Collective, Wait)):
+            raise TypeError(f"not a program step: {op!r}")
+        # BEGIN EXERCISE 13.2: when a collective starts and ends (one FIFO per channel); what a wait costs
+        if isinstance(op, Collective):
             start = max([now, free[op.channel]] + [done[t] for t in op.after])
             done[op.tag] = free[op.channel] = start + op.seconds
             spans.append(Span(op.kind, op.tag, start, start + op.seconds))
             comm += op.seconds
-        elif isinstance(op, Wait):
-            if done[op.tag] > now:
-                spans.append(Span("wait", op.tag, now, done[op.tag]))
-                waiting += done[op.tag] - now
-                now = done[op.tag]
-        else:
-            raise TypeError(f"not a program step: {op!r}")
+        elif done[op.tag] > now:  # a Wait on a collective still running: the compute stream sits until it ends
+            spans.append(Span("wait", op.tag, now, done[op.tag]))
+            waiting += done[op.tag] - now
+            now = done[op.tag]
+        # END EXERCISE
     end = max([now] + list(done.values()))
     return Simulated(end, compute, comm, waiting, sorted(spans, key=lambda s: s.start))
 # --8<-- [end:simulate]

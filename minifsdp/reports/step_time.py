@@ -180,7 +180,7 @@ def _s(seconds: float) -> str:
 def hardware_text(cluster: st.Cluster) -> str:
     g = cluster.gpu
     return (f"{g.note}: {g.peak_flops / 1e12:.0f} TFLOP/s bf16 dense peak, compute efficiency {g.efficiency:.3f} "
-            f"(fitted to one published run, see the comparison page), NVLink bus bandwidth "
+            f"(fitted to one published run: see \"Against published runs\"), NVLink bus bandwidth "
             f"{g.nvlink.busbw / 1e9:.0f} GB/s, {g.nvlink.alpha * 1e6:.1f} us per NVLink step; one NIC per GPU at "
             f"{cluster.nic.busbw / 1e9:.0f} GB/s reached, {cluster.nic.alpha * 1e6:.1f} us per network step; "
             f"HBM {g.hbm_bw / 1e12:.2f} TB/s for the optimizer step")
