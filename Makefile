@@ -1,7 +1,7 @@
 # Every figure and table in the docs is made by one of these commands (see chapters/*.md).
 PY ?= python
 
-.PHONY: setup test tour figures docs serve student grade
+.PHONY: setup test tour diagrams figures notebooks docs docs-student serve student grade
 
 setup:            ## install minifsdp and what the tests need (CPU torch on a machine without a GPU)
 	bash .ci/setup
@@ -12,37 +12,56 @@ test: setup       ## the whole suite, as CI runs it
 tour: setup       ## the main job: every strategy side by side on 2 CPU ranks
 	$(PY) -m minifsdp tour
 
-figures:          ## regenerate every figure and table the chapters include
-	$(PY) -m minifsdp tour --world-size 2 --steps 5 --plot chapters/figures/tour_memory.png --markdown chapters/generated/tour_ws2.md
-	$(PY) -m minifsdp memory --world-sizes 1 2 3 4 --bars peak --plot chapters/figures/ddp_memory.png --markdown chapters/generated/ddp_memory.md
+diagrams:         ## draw the chapters' SVG diagrams (plain Python: chapters/diagrams/make_diagrams.py)
+	$(PY) chapters/diagrams/make_diagrams.py \
+	    chapters/figures/diagrams/ring_allreduce.svg chapters/figures/diagrams/ddp_buckets.svg chapters/figures/diagrams/zero_stages.svg \
+	    chapters/figures/diagrams/oss_partition.svg chapters/figures/diagrams/flat_parameter.svg chapters/figures/diagrams/fsdp_unit_lifecycle.svg \
+	    chapters/figures/diagrams/backward_prefetch.svg chapters/figures/diagrams/mixed_precision.svg chapters/figures/diagrams/activation_checkpointing.svg \
+	    chapters/figures/diagrams/checkpoint_reshard.svg chapters/figures/diagrams/hsdp_mesh.svg chapters/figures/diagrams/tp_f_g.svg \
+	    chapters/figures/diagrams/pipeline_1f1b.svg
+
+figures: diagrams ## regenerate every figure and table the chapters include
+	$(PY) -m minifsdp tour --world-size 2 --steps 5 --plot chapters/figures/tour_memory.svg --markdown chapters/generated/tour_ws2.md
+	$(PY) -m minifsdp.reports.models --markdown chapters/generated/models.md
+	$(PY) -m minifsdp memory --world-sizes 1 2 3 4 --bars peak --plot chapters/figures/ddp_memory.svg --markdown chapters/generated/ddp_memory.md
 	$(PY) -m minifsdp demo --world-size 3 > chapters/generated/demo_ws3.txt
-	$(PY) -m minifsdp memory --strategies ddp oss sdp --world-sizes 1 2 3 4 --plot chapters/figures/zero12_memory.png --markdown chapters/generated/zero12_memory.md
-	$(PY) -m minifsdp memory --strategies oss sdp oss_flat sdp_flat --model states-heavy --world-sizes 2 3 4 --bars peak --plot chapters/figures/zero2_peak.png --markdown chapters/generated/zero2_peak.md
+	$(PY) -m minifsdp memory --strategies ddp oss sdp --world-sizes 1 2 3 4 --plot chapters/figures/zero12_memory.svg --markdown chapters/generated/zero12_memory.md
+	$(PY) -m minifsdp memory --strategies oss sdp oss_flat sdp_flat --model states-heavy --world-sizes 2 3 4 --bars peak --plot chapters/figures/zero2_peak.svg --markdown chapters/generated/zero2_peak.md
 	$(PY) -m minifsdp partition --world-sizes 2 3 4 5 6 7 8 --markdown chapters/generated/partition.md
+	$(PY) -m minifsdp grad-buffers --world-size 2 --markdown chapters/generated/gradient_buffers.md
 	$(PY) -m minifsdp units --world-size 2 --markdown chapters/generated/fsdp_units.md
-	$(PY) -m minifsdp phases --world-sizes 1 2 3 4 --plot chapters/figures/fsdp_phases.png --markdown chapters/generated/fsdp_phases.md
-	$(PY) -m minifsdp timeline --world-size 2 --plot chapters/figures/timelines.png --markdown chapters/generated/timelines.md
+	$(PY) -m minifsdp embedding-units --world-size 2 --markdown chapters/generated/embedding_units.md
+	$(PY) -m minifsdp phases --world-sizes 1 2 3 4 --plot chapters/figures/fsdp_phases.svg --plot-world-size 2 --markdown chapters/generated/fsdp_phases.md
+	$(PY) -m minifsdp timeline --world-size 2 --plot chapters/figures/timelines.svg --markdown chapters/generated/timelines.md
 	$(PY) -m minifsdp prefetch-memory --world-sizes 2 4 --markdown chapters/generated/prefetch_memory.md
 	$(PY) bench/fsdp_vs_torch.py > chapters/generated/fsdp_bench.md
 	$(PY) bench/memory_family.py --markdown chapters/generated/memory_family.md
-	$(PY) bench/sweep.py --sizes 1M 3M 10M 30M --world-sizes 1 2 4 --plot chapters/figures/cost_curves.png --markdown chapters/generated/cost_curves.md
-	$(PY) -m minifsdp precision --world-size 2 --markdown chapters/generated/precision.md --plot chapters/figures/precision_loss.png
+	$(PY) bench/sweep.py --sizes 1M 3M 10M 30M --world-sizes 1 2 4 --plot chapters/figures/cost_curves.svg --markdown chapters/generated/cost_curves.md
+	$(PY) -m minifsdp precision --world-size 2 --markdown chapters/generated/precision.md --plot chapters/figures/precision_loss.svg
 	$(PY) -m minifsdp options --world-size 2 --markdown chapters/generated/training_options.md
+	$(PY) -m minifsdp accumulation --world-size 2 --markdown chapters/generated/accumulation.md
+	$(PY) -m minifsdp fp32-modules --world-size 2 --markdown chapters/generated/fp32_modules.md
 	$(PY) -m minifsdp state-dict-memory --world-sizes 2 4 --markdown chapters/generated/state_dict_memory.md
-	$(PY) -m minifsdp checkpoints --world-sizes 1 2 3 4 --markdown chapters/generated/checkpoints.md --plot chapters/figures/reshard.png
+	$(PY) -m minifsdp checkpoints --world-sizes 1 2 3 4 --markdown chapters/generated/checkpoints.md --plot chapters/figures/reshard.svg
 	$(PY) -m minifsdp fsdp2 --world-sizes 2 4 --markdown chapters/generated/fsdp2.md
 	$(PY) -m minifsdp parallel --parts tp --markdown chapters/generated/parallel_tp.md
-	$(PY) -m minifsdp parallel --parts overlap --markdown chapters/generated/parallel_overlap.md --plot chapters/figures/tp_overlap.png
-	$(PY) -m minifsdp parallel --parts pp --markdown chapters/generated/parallel_pp.md --plot chapters/figures/pipeline_gantt.png
+	$(PY) -m minifsdp parallel --parts overlap --markdown chapters/generated/parallel_overlap.md --plot chapters/figures/tp_overlap.svg
+	$(PY) -m minifsdp parallel --parts pp --markdown chapters/generated/parallel_pp.md --plot chapters/figures/pipeline_gantt.svg
 	$(PY) -m minifsdp parallel --parts compare --markdown chapters/generated/parallel_compare.md
 	$(PY) -m minifsdp parity --world-sizes 1 2 3 4 --markdown chapters/generated/parity.md
 	$(PY) -m minifsdp step-time --models 7b 70b --nodes 1 8 --gpus-per-node 8 --markdown chapters/generated/step_time.md --published chapters/generated/step_time_vs_published.md
-	$(PY) -m minifsdp simulate --model 7b 70b --world-sizes 8 16 32 64 128 256 512 1024 --strategy ddp oss sdp fsdp fully_shard --plot chapters/figures/scaling_memory.png --markdown chapters/generated/scaling_memory.md
+	$(PY) -m minifsdp simulate --model 7b 70b --world-sizes 8 16 32 64 128 256 512 1024 --strategy ddp oss sdp fsdp fully_shard --plot chapters/figures/scaling_memory.svg --markdown chapters/generated/scaling_memory.md
 	$(PY) -m minifsdp simulate --example all --markdown chapters/generated/worked_examples.md
 	grep -cvE '^\s*(#|$$)' minifsdp/ddp/ddp.py minifsdp/zero/oss.py minifsdp/zero/sdp.py minifsdp/zero/flat.py minifsdp/zero/flat_sdp.py > chapters/generated/loc.txt
 
+notebooks:        ## run every notebook on CPU ranks and store its outputs (and its code's hash: tests/test_notebooks.py)
+	$(PY) -m minifsdp.reports.notebooks
+
 docs:             ## build the site into site/ (fails on any broken link or include)
 	$(PY) -m mkdocs build --strict
+
+docs-student:     ## the students' site, into site-student/: the exercises' placeholders and no solutions
+	MINIFSDP_SITE=student $(PY) -m mkdocs build --strict --site-dir site-student
 
 serve:
 	$(PY) -m mkdocs serve

@@ -1,7 +1,7 @@
 """Cost curves: step time and peak memory per rank as the model (Ψ) and the world size (N) grow, for
 minifsdp's DDP, OSS, SDP and FSDP next to torch's DDP, ZeroRedundancyOptimizer, FSDP1 and FSDP2.
 
-    python bench/sweep.py --plot chapters/figures/cost_curves.png --markdown chapters/generated/cost_curves.md
+    python bench/sweep.py --plot chapters/figures/cost_curves.svg --markdown chapters/generated/cost_curves.md
 
     [--sizes 1M 3M 10M 30M 100M 200M] [--world-sizes 1 2 4] [--strategies ddp torch_ddp ...]
     [--steps 2] [--warmup 1] [--batch 1] [--seq 64] [--memory-budget 18] [--json out.json] [--replot a.json b.json]
@@ -62,6 +62,7 @@ from fsdp_vs_torch import build as build_fsdp_bench
 from interleave import rank_batch, time_interleaved
 from minifsdp import (DistributedDataParallel, GPTConfig, MemoryMeter, ShardedDataParallel, TinyGPT, analytic,
                       launch)
+from minifsdp.reports import style
 from oss_vs_zero import sharded_optimizer
 
 # name -> (label, ZeRO stage of its model states)
@@ -350,63 +351,62 @@ def markdown(res: dict) -> str:
 
 
 STYLE = {  # family colour by stage; minifsdp filled and solid, torch hollow and dashed
-    "ddp": ("C0", "o", "-"), "torch_ddp": ("C0", "o", "--"), "oss": ("C1", "s", "-"), "zero": ("C1", "s", "--"),
-    "sdp": ("C2", "D", "-"), "fsdp": ("C3", "^", "-"), "fsdp1": ("C3", "v", "--"), "fsdp2": ("C3", "^", "--"),
+    "ddp": ("blue", "o", "-"), "torch_ddp": ("blue", "o", "--"), "oss": ("orange", "s", "-"),
+    "zero": ("orange", "s", "--"), "sdp": ("green", "D", "-"), "fsdp": ("red", "^", "-"),
+    "fsdp1": ("red", "v", "--"), "fsdp2": ("red", "^", "--"),
 }
 STAGE_NAMES = {0: "DDP 16Ψ", 1: "OSS 8Ψ+8Ψ/N", 2: "SDP 4Ψ+12Ψ/N", 3: "FSDP 16Ψ/N"}
 
 
+@style.charts
 def plot(res: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    """Peak memory (top row) and step time (bottom row) against Ψ, log-log, a column per N, in the charts'
+    style (minifsdp/reports/style.py); the analytic model states dotted, in the colour of their stage."""
     import numpy as np
     from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
     ns, names = res["world_sizes"], res["names"]
     psis = sorted({c["psi"] for c in res["cases"]})
-    plt.rcParams.update({"font.size": 14, "axes.titlesize": 15, "axes.labelsize": 14, "legend.fontsize": 12})
-    fig, axes = plt.subplots(2, len(ns), figsize=(5.5 * len(ns), 10.5), squeeze=False, sharex=True, sharey="row")
+    fig, axes = style.figure(6.6, 2, len(ns), squeeze=False, sharex=True, sharey="row")
     grid = np.geomspace(psis[0] / 1.3, psis[-1] * 1.3, 50)
     for j, n in enumerate(ns):
         mem, tim = axes[0][j], axes[1][j]
         for stage in sorted({CONTENDERS[name][1] for name in names}):
-            colour = STYLE[next(k for k in names if CONTENDERS[k][1] == stage)][0]
+            colour = style.LINES[STYLE[next(k for k in names if CONTENDERS[k][1] == stage)][0]]
             mem.plot(grid, [analytic.model_state_bytes(p, n, stage)["total"] / 1e6 for p in grid], color=colour,
-                     lw=2, ls=":", alpha=0.9, label=f"model states, {STAGE_NAMES[stage]}")
+                     lw=1.6, ls=":", label=f"model states, {STAGE_NAMES[stage]}")
         for name in names:
-            colour, marker, ls = STYLE[name]
+            hue, marker, ls = STYLE[name]
+            colour = style.LINES[hue]
             for ax, key, scale in ((mem, "peaks", 1e-6), (tim, "times", 1e3)):
                 pts = sorted(curve(res, name, n, key))
                 if pts:
                     ax.plot([p for p, _ in pts], [v * scale for _, v in pts], color=colour, marker=marker, ls=ls,
-                            ms=8, lw=1.8, mfc=colour if ls == "-" else "white", mew=1.8, label=CONTENDERS[name][0])
-        mem.set_title(f"peak memory per rank, N = {n}")
-        tim.set_title(f"step time, N = {n}")
+                            ms=5, lw=1.4, mfc=colour if ls == "-" else "none", mew=1.3, label=CONTENDERS[name][0])
+        mem.set_title(f"N = {n}")
         for ax in (mem, tim):
             ax.set_xscale("log")
             ax.set_yscale("log")
+            ax.xaxis.set_major_locator(LogLocator(base=10))
             ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v / 1e6:g}M"))
             ax.yaxis.set_major_locator(LogLocator(subs=(1, 2, 5)))  # labels even on less than a decade
             ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
             ax.xaxis.set_minor_formatter(NullFormatter())
             ax.yaxis.set_minor_formatter(NullFormatter())
-            ax.grid(True, which="major", alpha=0.4)
+            ax.grid(True, which="major")
             ax.grid(True, which="minor", alpha=0.12)
         tim.set_xlabel("Ψ (parameters)")
         if j == 0:
-            mem.set_ylabel("MB (tracked tensors)")
-            tim.set_ylabel("ms (rank 0, median)")
+            mem.set_ylabel("peak MB per rank (tracked)")
+            tim.set_ylabel("step time, ms (rank 0)")
     legend = {}  # every line once, whichever panel has it
     for ax in axes.flat:
         for handle, label in zip(*ax.get_legend_handles_labels()):
             legend.setdefault(label, handle)
-    fig.legend(legend.values(), legend.keys(), loc="lower center", ncol=4, frameon=False)
-    fig.suptitle("Cost per rank as Ψ and N grow (CPU + gloo); dotted: the analytic model states", fontsize=16)
-    fig.tight_layout(rect=(0, 0.12, 1, 0.97))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    fig.legend(legend.values(), legend.keys(), loc="outside lower center", ncol=3, columnspacing=1.0,
+               handlelength=2.2)
+    fig.suptitle("Cost per rank as Ψ and N grow (CPU + gloo); dotted: the analytic model states")
+    style.save(fig, path)
 
 
 def main():

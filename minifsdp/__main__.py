@@ -3,12 +3,16 @@
     python -m minifsdp tour [--world-size 2] [--steps 5] [--strategies ...]  every strategy, side by side
     python -m minifsdp memory [--strategies ddp oss sdp] [--world-sizes 1 2 3 4]   memory vs the model
     python -m minifsdp partition [--world-sizes 2 3 4 5 6 7 8]             chapter 3: load balance of partitions
+    python -m minifsdp grad-buffers [--world-size 2]                        chapter 5: gradient bytes of one unit's backward
     python -m minifsdp units [--world-size 2]                               chapter 6: FSDP units and payloads
     python -m minifsdp phases [--world-sizes 1 2 3 4]                       chapter 6: memory at each phase
+    python -m minifsdp embedding-units [--world-size 2]                     chapter 6: untied embedding and head as units
     python -m minifsdp timeline [--world-size 2]                           chapter 7: one step per prefetch mode
     python -m minifsdp prefetch-memory [--world-sizes 2 4]                  chapter 7: what prefetching costs
     python -m minifsdp precision [--world-size 2]                           chapter 8: memory and bytes per precision
+    python -m minifsdp fp32-modules [--world-size 2]                        chapter 8: LayerNorms kept in fp32 vs torch's FSDP1
     python -m minifsdp options [--world-size 2]                             chapter 9: accumulation, checkpointing, init
+    python -m minifsdp accumulation [--world-size 2]                        chapter 9: accumulation per sharding strategy
     python -m minifsdp checkpoints [--world-sizes 1 2 3 4]                  chapter 10: checkpoint size and time
     python -m minifsdp state-dict-memory [--world-sizes 2 4]                chapter 10: the memory of a full state dict
     python -m minifsdp fsdp2 [--world-sizes 2 4]                            chapter 11: FlatParameter vs fully_shard vs torch's
@@ -18,8 +22,10 @@
     python -m minifsdp step-time [--models 7b 70b] [--nodes 1 8]          chapter 13: the alpha-beta step-time model
     python -m minifsdp simulate [--model 7b] [--world-size 1024]            chapter 13: rank 0 of N, on meta tensors
     python -m minifsdp demo [--world-size 3]                                all-reduce = reduce-scatter + all-gather
-    python -m minifsdp student OUT_DIR                                      a student copy, solutions removed
-    python -m minifsdp grade [PATH]                                         run each chapter's tests, print a score
+    python -m minifsdp student OUT_DIR [--only 1.2] [--chapters 6,7]        a student copy, solutions removed
+    python -m minifsdp grade [PATH] [--reference REF] [--chapters 6,7]      score a submission on the course's tests
+                       [--json F] [--gradescope F] [--junit DIR] [--timeout S]
+    python -m minifsdp grade-all DIR [--chapters 6,7] [--out grades]        every submission in DIR; summary.csv
 
 `minifsdp ...` (the console script) is the same. The tour also runs under torchrun:
 
@@ -41,14 +47,14 @@ def main(argv: list[str] | None = None) -> int:
     tour.add_argument("--steps", type=int, default=5)
     tour.add_argument("--strategies", nargs="+", default=None, help="a few of them (default: all)")
     tour.add_argument("--device", default="cpu", choices=["auto", "cpu", "cuda"])
-    tour.add_argument("--plot", default="tour_memory.png", help="where to write the memory plot (PNG)")
+    tour.add_argument("--plot", default="tour_memory.svg", help="where to write the memory plot (.svg or .png)")
     tour.add_argument("--markdown", default=None, help="also write the tables as Markdown to this file")
 
     memory = sub.add_parser("memory", help="chapter 2: DDP's per-rank memory and traffic vs the analytic model")
     memory.add_argument("--strategies", nargs="+", default=["ddp"], help="from: ddp oss sdp ...")
     memory.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2, 3, 4])
     memory.add_argument("--steps", type=int, default=6)
-    memory.add_argument("--plot", default="ddp_memory.png")
+    memory.add_argument("--plot", default="ddp_memory.svg")
     memory.add_argument("--markdown", default=None)
     memory.add_argument("--model", default="tour", choices=["tour", "states-heavy"],
                         help="the tiny GPT, or a GPT whose model states outweigh its activations (chapter 4)")
@@ -59,20 +65,32 @@ def main(argv: list[str] | None = None) -> int:
     part.add_argument("--world-sizes", type=int, nargs="+", default=[2, 3, 4, 5, 6, 7, 8])
     part.add_argument("--markdown", default=None)
 
+    gb = sub.add_parser("grad-buffers", help="chapter 5: the gradient bytes alive at once around one unit's backward "
+                                             "and reduce-scatter, next to the formula and to torch's FSDP1")
+    gb.add_argument("--world-size", type=int, default=2)
+    gb.add_argument("--markdown", default=None)
+
+    eu = sub.add_parser("embedding-units", help="chapter 6: an untied embedding and output head in the root or as "
+                                                "units of their own: unsharded bytes alive at once, bytes sent")
+    eu.add_argument("--world-size", type=int, default=2)
+    eu.add_argument("--markdown", default=None)
+
     units = sub.add_parser("units", help="chapter 6: FSDP's units, their payloads and bytes, computed and counted")
     units.add_argument("--world-size", type=int, default=2)
     units.add_argument("--markdown", default=None)
 
     phases = sub.add_parser("phases", help="chapter 6: memory at each phase of a step, DDP to FSDP")
     phases.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2, 3, 4])
-    phases.add_argument("--plot", default="fsdp_phases.png")
+    phases.add_argument("--plot", default="fsdp_phases.svg")
+    phases.add_argument("--plot-world-size", type=int, default=None,
+                        help="the world size the plot shows (default: the last of --world-sizes)")
     phases.add_argument("--markdown", default=None)
 
     tl = sub.add_parser("timeline", help="chapter 7: timelines of one FSDP step per prefetch mode, on a slow link")
     tl.add_argument("--world-size", type=int, default=2)
     tl.add_argument("--bandwidth", type=float, default=100e6, help="bytes/s per rank of the simulated link")
     tl.add_argument("--latency", type=float, default=1e-3, help="seconds per collective on the simulated link")
-    tl.add_argument("--plot", default="timelines.png")
+    tl.add_argument("--plot", default="timelines.svg")
     tl.add_argument("--trace", default=None, help="also write the last mode's Chrome/Perfetto trace (JSON)")
     tl.add_argument("--markdown", default=None)
 
@@ -86,9 +104,20 @@ def main(argv: list[str] | None = None) -> int:
     prec.add_argument("--markdown", default=None)
     prec.add_argument("--plot", default=None)
 
+    f32 = sub.add_parser("fp32-modules", help="chapter 8: MixedPrecision(_module_classes_to_ignore=...): the LayerNorms "
+                                              "as units of their own in fp32, next to all-bf16 and to torch's FSDP1")
+    f32.add_argument("--world-size", type=int, default=2)
+    f32.add_argument("--steps", type=int, default=30)
+    f32.add_argument("--markdown", default=None)
+
     opts = sub.add_parser("options", help="chapter 9: what accumulation, checkpointing and deferred init cost")
     opts.add_argument("--world-size", type=int, default=2)
     opts.add_argument("--markdown", default=None)
+
+    acc = sub.add_parser("accumulation", help="chapter 9: bytes per micro-batch and memory between micro-batches "
+                                              "under FULL_SHARD, SHARD_GRAD_OP and NO_SHARD, with and without no_sync")
+    acc.add_argument("--world-size", type=int, default=2)
+    acc.add_argument("--markdown", default=None)
 
     ck = sub.add_parser("checkpoints", help="chapter 10: checkpoint size on disk and save/load time per strategy")
     ck.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2, 3, 4])
@@ -114,8 +143,8 @@ def main(argv: list[str] | None = None) -> int:
                                                       "prefix (PREFIX_<part>.md)")
     par.add_argument("--plot", default=".", help="where the overlap part draws its timelines and the pipeline part "
                                                  "its Gantt chart: a file (one of those parts), a directory "
-                                                 "(DIR/tp_overlap.png, DIR/pipeline_gantt.png) or a prefix "
-                                                 "(PREFIX_<part>.png)")
+                                                 "(DIR/tp_overlap.svg, DIR/pipeline_gantt.svg) or a prefix "
+                                                 "(PREFIX_<part>.svg)")
 
     parity = sub.add_parser("parity", help="the parity matrix: every strategy on odd, tied, frozen, unused, BatchNorm, "
                                            "reused and float64 models vs torch's DDP (or FSDP1), at each world size")
@@ -162,9 +191,29 @@ def main(argv: list[str] | None = None) -> int:
     student = sub.add_parser("student", help="write a student copy with the exercise solutions removed")
     student.add_argument("out_dir")
     student.add_argument("--only", default=None, help="remove just this exercise (e.g. 1.2)")
+    student.add_argument("--chapters", default=None, help="remove just these chapters' exercises (e.g. 6,7)")
 
-    grade = sub.add_parser("grade", help="run each chapter's tests and print a per-chapter score")
-    grade.add_argument("path", nargs="?", default=".", help="the project (or student copy) to grade")
+    def grading_options(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--reference", default=None, help="the course project whose tests, configuration and "
+                       "package are used (default: the project that holds the running minifsdp)")
+        p.add_argument("--chapters", default=None, help="grade just these chapters (e.g. 6,7); every other "
+                       "exercise keeps the reference's solution")
+        p.add_argument("--timeout", type=float, default=None, help="seconds each chapter's tests may take "
+                       "(default: 900)")
+
+    grade = sub.add_parser("grade", help="score a submission chapter by chapter and exercise by exercise, on "
+                                         "the reference's tests (only the code between the markers is graded)")
+    grade.add_argument("path", nargs="?", default=".", help="the submission (a student copy with the work in it)")
+    grading_options(grade)
+    grade.add_argument("--json", default=None, help="also write the result as JSON to this file")
+    grade.add_argument("--gradescope", default=None, help="also write Gradescope's results.json to this file")
+    grade.add_argument("--junit", default=None, help="also keep pytest's JUnit XML, one file per chapter, here")
+
+    grade_all = sub.add_parser("grade-all", help="grade every subdirectory of DIR as one submission; write "
+                                                 "OUT/<name>.json and OUT/summary.csv")
+    grade_all.add_argument("directory")
+    grading_options(grade_all)
+    grade_all.add_argument("--out", default="grades", help="where the results go (default: ./grades)")
 
     args = parser.parse_args(argv)
     if args.command == "tour":
@@ -177,12 +226,19 @@ def main(argv: list[str] | None = None) -> int:
     elif args.command == "partition":
         from minifsdp.reports.tour import run_partition_report
         run_partition_report(world_sizes=args.world_sizes, markdown=args.markdown)
+    elif args.command == "grad-buffers":
+        from minifsdp.reports.grad_buffers import run_grad_buffers_report
+        run_grad_buffers_report(world_size=args.world_size, markdown=args.markdown)
+    elif args.command == "embedding-units":
+        from minifsdp.reports.embedding_units import run_embedding_units_report
+        run_embedding_units_report(world_size=args.world_size, markdown=args.markdown)
     elif args.command == "units":
         from minifsdp.reports.phases import run_units_report
         run_units_report(world_size=args.world_size, markdown=args.markdown)
     elif args.command == "phases":
         from minifsdp.reports.phases import run_phases_report
-        run_phases_report(world_sizes=args.world_sizes, plot=args.plot, markdown=args.markdown)
+        run_phases_report(world_sizes=args.world_sizes, plot=args.plot, markdown=args.markdown,
+                          plot_world_size=args.plot_world_size)
     elif args.command == "timeline":
         from minifsdp.reports.overlap import run_timeline_report
         run_timeline_report(world_size=args.world_size, bandwidth=args.bandwidth, latency=args.latency,
@@ -194,9 +250,15 @@ def main(argv: list[str] | None = None) -> int:
         from minifsdp.reports.precision import run_precision_report
         run_precision_report(world_size=args.world_size, markdown=args.markdown, plot=args.plot,
                              curve_steps=args.curve_steps)
+    elif args.command == "fp32-modules":
+        from minifsdp.reports.full_precision import run_full_precision_report
+        run_full_precision_report(world_size=args.world_size, steps=args.steps, markdown=args.markdown)
     elif args.command == "options":
         from minifsdp.reports.options import run_options_report
         run_options_report(world_size=args.world_size, markdown=args.markdown)
+    elif args.command == "accumulation":
+        from minifsdp.reports.accumulation import run_accumulation_report
+        run_accumulation_report(world_size=args.world_size, markdown=args.markdown)
     elif args.command == "checkpoints":
         from minifsdp.reports.checkpoints import run_checkpoint_report
         run_checkpoint_report(world_sizes=args.world_sizes, markdown=args.markdown, plot=args.plot)
@@ -234,17 +296,30 @@ def main(argv: list[str] | None = None) -> int:
         from minifsdp.ddp.collectives import demo_all_reduce_by_parts
         from minifsdp.distributed.launch import launch
         for r in launch(demo_all_reduce_by_parts, world_size=args.world_size, device="cpu"):
-            print(r)
+            parts = " + ".join(f"{kind} {b:.1f}" for kind, b in r["bytes_by_parts"].items())
+            print(f"rank {r['rank']}: all_reduce {r['all_reduce']}\n"
+                  f"        by_parts   {r['by_parts']}\n"
+                  f"        bytes: all_reduce {r['bytes_all_reduce']:.1f}; by parts {parts}")
     elif args.command == "student":
         from minifsdp.course import write_student_copy
+        from minifsdp.course.grade import parse_chapters
         try:
-            write_student_copy(".", args.out_dir, only=args.only)
+            write_student_copy(".", args.out_dir, only=args.only, chapters=parse_chapters(args.chapters))
         except (FileExistsError, FileNotFoundError, ValueError) as e:
             print(f"minifsdp student: {e}", file=sys.stderr)
             return 2
-    elif args.command == "grade":
-        from minifsdp.course.grade import grade
-        return grade(args.path)
+    elif args.command in ("grade", "grade-all"):
+        from minifsdp.course.grade import DEFAULT_TIMEOUT, grade, grade_all
+        timeout = args.timeout or DEFAULT_TIMEOUT
+        try:
+            if args.command == "grade":
+                return grade(args.path, reference=args.reference, chapters=args.chapters, timeout=timeout,
+                             json_path=args.json, gradescope=args.gradescope, junit_dir=args.junit)
+            return grade_all(args.directory, reference=args.reference, chapters=args.chapters, out=args.out,
+                             timeout=timeout)
+        except (FileNotFoundError, ValueError, RuntimeError) as e:
+            print(f"minifsdp {args.command}: {e}", file=sys.stderr)
+            return 2
     return 0
 
 

@@ -29,7 +29,8 @@ import warnings
 from dataclasses import dataclass
 
 import torch
-from torch.utils._pytree import tree_map
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.utils._pytree import tree_leaves, tree_map
 
 from minifsdp.distributed import comm
 from minifsdp.distributed.launch import current_device
@@ -45,10 +46,14 @@ class MixedPrecision:
     param_dtype:  what forward and backward compute in (the all-gathered parameters' dtype).
     reduce_dtype: what gradients are averaged in; None: param_dtype.
     buffer_dtype: what buffers (e.g. BatchNorm statistics) are kept in; None: as built.
+    _module_classes_to_ignore: FSDP with an auto_wrap_policy only, as in PyTorch's FSDP1 (its spelling and its
+                  default, BatchNorm): every module of these classes becomes a unit of its own without mixed
+                  precision, its floating inputs cast to fp32 and its outputs back (keep_full_precision).
     """
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
     buffer_dtype: torch.dtype | None = None
+    _module_classes_to_ignore: tuple = (_BatchNorm,)
 
     def __post_init__(self):
         for field in ("param_dtype", "reduce_dtype", "buffer_dtype"):
@@ -77,8 +82,18 @@ class CPUOffload:
 # --8<-- [end:policies]
 
 
+def require_policy(policy) -> None:
+    """mixed_precision is a MixedPrecision (or None). FairScale's FSDP took a bool: its spelling is named."""
+    if isinstance(policy, bool):
+        raise TypeError(f"mixed_precision={policy} is FairScale's spelling; here, as in PyTorch, it takes a policy: "
+                        f"FairScale's mixed_precision=True (compute_dtype and buffer_dtype fp16, reduced in fp16) "
+                        f"is MixedPrecision(param_dtype=torch.float16, buffer_dtype=torch.float16), and "
+                        f"fp32_reduce_scatter=True adds reduce_dtype=torch.float32")
+
+
 def check_master_dtype(policy: MixedPrecision | None, params) -> None:
     """Mixed precision keeps fp32 master parameters: a model already in bf16 has none to keep."""
+    require_policy(policy)
     if policy is None or policy.param_dtype is None:
         return
     for name, p in params:
@@ -88,11 +103,33 @@ def check_master_dtype(policy: MixedPrecision | None, params) -> None:
                              f"model in fp32 (or drop mixed_precision to train entirely in {p.dtype})")
 
 
-def cast_buffers(module: torch.nn.Module, policy: MixedPrecision | None) -> None:
+def cast_buffers(module: torch.nn.Module, policy: MixedPrecision | None, recurse: bool = True) -> None:
     if policy is not None and policy.buffer_dtype is not None:
-        for b in module.buffers():
+        for b in module.buffers(recurse=recurse):
             if b.is_floating_point():
                 b.data = b.data.to(policy.buffer_dtype)
+
+
+# --8<-- [start:keep_full_precision]
+def keep_full_precision(module: torch.nn.Module) -> None:
+    """A module left out of mixed precision (MixedPrecision._module_classes_to_ignore) computes in fp32 among
+    layers that compute in param_dtype: its floating inputs are cast to fp32 before its forward, and its
+    floating outputs back to the inputs' dtype after, so the layers after it see param_dtype again. The hooks
+    of PyTorch's FSDP1, registered last, after any of the user's."""
+    def to_fp32(mod, args):
+        dtypes = {t.dtype for t in tree_leaves(args) if isinstance(t, torch.Tensor) and t.is_floating_point()}
+        mod._input_dtype = next(iter(dtypes - {torch.float32}), None)  # None: nothing to cast back
+        return tree_map(lambda t: t.float() if isinstance(t, torch.Tensor) and t.is_floating_point() else t, args)
+
+    def back(mod, args, output):
+        dtype = mod._input_dtype
+        if dtype is None:
+            return output
+        return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, output)
+
+    module.register_forward_pre_hook(to_fp32)
+    module.register_forward_hook(back)
+# --8<-- [end:keep_full_precision]
 
 
 def cast_inputs(policy: MixedPrecision | None, args, kwargs):
@@ -141,15 +178,16 @@ class ShardedGradScaler:
         if not self.enabled or id(optimizer) in self._found_inf:
             return
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        # BEGIN EXERCISE 8.2: unscale this rank's gradients, flag an overflow, agree across the ranks, record both
         found_inf = torch.zeros(1, device=current_device())  # where the collective runs (offload: not the grads)
         for g in grads:
             g.mul_(1.0 / self.scale_value)  # a power of two: exact in fp32
             found_inf += (~torch.isfinite(g)).any().to(found_inf.device)
         self.local_found_inf.append(bool(found_inf.item()))
-        # BEGIN EXERCISE 8.2: the ranks must agree: skip the step everywhere if any rank overflowed
+        # the ranks must agree: skip the step everywhere if any rank overflowed
         comm.all_reduce(found_inf, op=comm.ReduceOp.MAX, tag="found_inf")
-        # END EXERCISE
         self._found_inf[id(optimizer)] = bool(found_inf.item())
+        # END EXERCISE
 
     def step(self, optimizer, *args, **kwargs):
         if not self.enabled:

@@ -47,17 +47,28 @@ def by_parts_cases():
         comm.all_reduce(expected)
         with comm.counting() as c:
             got = all_reduce_by_parts(x.clone())
-        out.append((numel, x, expected, got, dict(c.bytes)))
+        out.append((numel, x, expected, got, dict(c.bytes), dict(c.calls)))
     return out
 
 
+@pytest.mark.exercise("1.1")
 @pytest.mark.parametrize("n", WORLD_SIZES)
 def test_all_reduce_equals_reduce_scatter_plus_all_gather(ranks, n):
     for rank_result in ranks[n]:
-        for numel, x, expected, got, sent in rank_result["by_parts"]:
+        for numel, x, expected, got, _, _ in rank_result["by_parts"]:
             torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
             assert got.shape == x.shape
+
+
+@pytest.mark.mechanism
+@pytest.mark.exercise("1.1")
+@pytest.mark.parametrize("n", WORLD_SIZES)
+def test_all_reduce_by_parts_is_one_reduce_scatter_and_one_all_gather(ranks, n):
+    # counted by comm: a plain all-reduce, or a collective called on torch.distributed directly, shows here
+    for rank_result in ranks[n]:
+        for numel, _, _, _, sent, calls in rank_result["by_parts"]:
             padded = -(-numel // n) * n * 4  # bytes, after padding to a multiple of N
+            assert calls == {"reduce_scatter": 1, "all_gather": 1}
             assert sent == {"reduce_scatter": padded * (n - 1) / n, "all_gather": padded * (n - 1) / n}
 
 
@@ -69,7 +80,7 @@ def chapter_cases():
         out["no_sync"] = {s: accumulate(s) for s in ("ddp", "torch")}
     if n == 2:
         out["unused"] = {step: grads_after_one_step(True, 25, step) for step in (1, 2)}
-    if n == 1:
+    if n in (1, 2):
         out["overlap"] = grads_after_one_step(False, 1e-6, 0)
     return out
 
@@ -98,6 +109,7 @@ def parity_cases():
     return out
 
 
+@pytest.mark.exercise("1.2", "1.3")
 @pytest.mark.parametrize("n", WORLD_SIZES)
 @pytest.mark.parametrize("model", MODELS)
 @pytest.mark.parametrize("opt", OPTIMS)
@@ -112,6 +124,7 @@ def test_bit_exact_against_torch_ddp(ranks, n, model, opt):
         assert max_abs_diff(ours["params"], results[0][(model, opt, "ddp")]["params"]) == 0.0
 
 
+@pytest.mark.exercise("1.2", "1.3")
 @pytest.mark.parametrize("n", WORLD_SIZES)
 @pytest.mark.parametrize("model", MODELS)
 @pytest.mark.parametrize("opt", OPTIMS)
@@ -137,6 +150,7 @@ def outlier_share(a: dict, b: dict, atol: float) -> float:
     return (diffs > atol).float().mean().item()
 
 
+@pytest.mark.exercise("1.2", "1.3")
 def test_frozen_params_are_untouched(ranks):
     start = build_model("toy", seed=0).state_dict()
     for n in WORLD_SIZES:
@@ -146,16 +160,19 @@ def test_frozen_params_are_untouched(ranks):
 
 # -- what the hooks do, step by step -------------------------------------------------------------------------
 def grads_after_one_step(find_unused, bucket_cap_mb, use_mask_step):
-    """One backward of the toy model; returns every param's grad (None stays None) and the comm record."""
+    """One backward of the toy model: every param's grad (None stays None), the comm record (collectives
+    issued, and this rank's waits for them), when each gradient was ready, and whether each .grad is still
+    the tensor autograd made (the averages are copied into it)."""
     torch.manual_seed(0)
     model = DistributedDataParallel(ToyModel(seed=dist.get_rank()), bucket_cap_mb=bucket_cap_mb,
                                     find_unused_parameters=find_unused)
     tensors = batch("toy", use_mask_step, 12, dist.get_rank(), dist.get_world_size(), "cpu")
-    ready_at = {}
+    ready_at, made = {}, {}
 
     def stamp(name):
         def hook(p):
             ready_at.setdefault(name, time.perf_counter())
+            made[name] = p.grad  # DDP's own hook, registered first, has only read it
         return hook
 
     for name, p in model.module.named_parameters():
@@ -163,32 +180,64 @@ def grads_after_one_step(find_unused, bucket_cap_mb, use_mask_step):
             p.register_post_accumulate_grad_hook(stamp(name))
     with comm.counting(record=True) as c:
         loss_of("toy", model, tensors).backward()
-    return ({n: (None if p.grad is None else p.grad.clone()) for n, p in model.module.named_parameters()},
-            [(e.kind, e.tag, e.issued) for e in c.events], ready_at)
+    return {"grads": {n: (None if p.grad is None else p.grad.clone()) for n, p in model.module.named_parameters()},
+            "events": [(e.kind, e.tag, e.issued) for e in c.events], "ready_at": ready_at,
+            "waits": [(w.tag, w.start) for w in c.waits],
+            "same_grad": {n: p.grad is made[n] for n, p in model.module.named_parameters() if n in made}}
 
 
-def test_buckets_are_launched_during_backward_not_after(ranks):
+@pytest.mark.mechanism
+@pytest.mark.exercise("1.2")
+@pytest.mark.parametrize("n", (1, 2))
+def test_buckets_are_launched_during_backward_not_after(ranks, n):
     # Tiny buckets (bucket_cap_mb=1e-6): each parameter gets its own bucket, so the overlap is visible.
-    grads, events, ready_at = ranks[1][0]["overlap"]
-    buckets = [e for e in events if e[0] == "all_reduce"]
-    assert len(buckets) == sum(g is not None for g in grads.values())
+    res = ranks[n][0]["overlap"]
+    buckets = [e for e in res["events"] if e[0] == "all_reduce"]
+    assert len(buckets) == sum(g is not None for g in res["grads"].values())
     # The first bucket (the last layer's gradients) went out before backward had even produced the
     # gradient of the first layer: communication overlapped with computation.
-    assert buckets[0][2] < ready_at["inp.weight"]
+    assert buckets[0][2] < res["ready_at"]["inp.weight"]
 
 
+@pytest.mark.mechanism
+@pytest.mark.exercise("1.2")
+@pytest.mark.parametrize("n", (1, 2))
+def test_bucket_all_reduces_are_asynchronous(ranks, n):
+    # Each bucket's all-reduce is issued by the hook, and nobody waits for any of them until backward has
+    # issued the last: comm records a wait each time a rank blocks on a collective (here, only the buckets'
+    # all-reduces run). A blocking all-reduce in the hook would wait for the first before the second exists.
+    res = ranks[n][0]["overlap"]
+    issued = [t for kind, _, t in res["events"] if kind == "all_reduce"]
+    assert len(issued) == sum(g is not None for g in res["grads"].values())
+    early = [tag for tag, t in res["waits"] if t < issued[-1]]
+    assert not early, f"waited for {early} while backward still ran"
+
+
+@pytest.mark.mechanism
+@pytest.mark.exercise("1.3")
+@pytest.mark.parametrize("n", (1, 2))
+def test_averages_are_copied_into_the_gradients_autograd_made(ranks, n):
+    # as torch's DDP does: the .grad autograd accumulated is the tensor that ends up holding the average,
+    # written in place, not replaced by a new tensor per parameter
+    res = ranks[n][0]["overlap"]
+    assert len(res["same_grad"]) == sum(g is not None for g in res["grads"].values())
+    assert all(res["same_grad"].values()), res["same_grad"]
+
+
+@pytest.mark.exercise("1.2")
 def test_unused_parameter_without_find_unused_is_a_clear_error():
     with pytest.raises(RankFailedError, match=r"received no gradient.*extra\.weight.*find_unused_parameters=True"):
         launch(grads_after_one_step, world_size=2, device="cpu", args=(False, 25, 2))
 
 
+@pytest.mark.exercise("1.2", "1.3")
 def test_unused_here_used_elsewhere_gets_the_average_unused_everywhere_stays_none(ranks):
     # step 1 of the toy data: only the first quarter of the batch uses `extra` -> rank 0 only (N = 2).
-    g0, g1 = (r["unused"][1][0] for r in ranks[2])
+    g0, g1 = (r["unused"][1]["grads"] for r in ranks[2])
     assert g0["extra.weight"] is not None and torch.equal(g0["extra.weight"], g1["extra.weight"])
     assert g0["extra.weight"].abs().sum() > 0
     # step 2: no sample uses it on any rank -> no gradient anywhere, as in torch's DDP
-    g0, g1 = (r["unused"][2][0] for r in ranks[2])
+    g0, g1 = (r["unused"][2]["grads"] for r in ranks[2])
     assert g0["extra.weight"] is None and g1["extra.weight"] is None
     assert g0["frozen.weight"] is None
 
@@ -213,6 +262,7 @@ def accumulate(strategy):
     return {k: v.clone() for k, v in model.state_dict().items()}, c.calls.get("all_reduce", 0)
 
 
+@pytest.mark.exercise("1.2", "1.3")
 @pytest.mark.parametrize("n", (2, 3))
 def test_no_sync_accumulates_locally_and_matches_torch(ranks, n):
     ours, theirs = ranks[n][0]["no_sync"]["ddp"], ranks[n][0]["no_sync"]["torch"]

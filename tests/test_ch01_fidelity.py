@@ -19,6 +19,8 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from minifsdp import launch
 from minifsdp.ddp import DistributedDataParallel
 
+pytestmark = pytest.mark.exercise("1.2", "1.3")  # every test runs chapter 1's DDP
+
 # (where no_sync() is: "none", "forward" (around the forward only), "backward" (around the backward
 # only), "both"; then whether the forward runs with grad)
 SCHEDULE = [("none", True), ("both", True), ("none", True), ("forward", True), ("none", True),

@@ -14,6 +14,7 @@ GB = 10**9
 
 
 # -- the analytic model ----------------------------------------------------------------------------------
+@pytest.mark.exercise("2.1")
 def test_zero_stages_fp32_adam():
     psi, n = 1000, 4
     per_stage = [analytic.model_state_bytes(psi, n, s)["total"] for s in range(4)]
@@ -22,6 +23,7 @@ def test_zero_stages_fp32_adam():
                                                      "total": 7000.0}
 
 
+@pytest.mark.exercise("2.1")
 def test_zero_paper_example_mixed_precision():
     # ZeRO paper, Figure 1: Ψ = 7.5B, N = 64, K = 12 -> 120 GB, 31.4 GB, 16.6 GB, 1.9 GB per device
     mp = analytic.mixed_precision_adam()
@@ -139,6 +141,8 @@ def measured():
     return {n: launch(ddp_measurements, world_size=n, device="cpu") for n in (1, 2, 3, 4)}
 
 
+@pytest.mark.mechanism
+@pytest.mark.exercise("1.2", "1.3")
 @pytest.mark.parametrize("n", (1, 2, 3, 4))
 def test_ddp_bytes_per_step_equal_theory(measured, n):
     for rank_result in measured[n]:
@@ -151,6 +155,7 @@ def test_ddp_bytes_per_step_equal_theory(measured, n):
         assert n == 1 or calls["all_reduce"] == n_buckets > 1
 
 
+@pytest.mark.exercise("1.2", "1.3", "2.1")
 @pytest.mark.parametrize("n", (1, 2, 3, 4))
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
 def test_ddp_model_states_measured_equal_analytic(measured, n, optimizer):
@@ -167,6 +172,7 @@ def test_ddp_model_states_measured_equal_analytic(measured, n, optimizer):
     assert res["peak"] > model["total"]
 
 
+@pytest.mark.exercise("1.2", "1.3")
 def test_ddp_activations_shrink_with_the_local_batch(measured):
     other = [measured[n][0]["adamw"]["peak_by_category"]["other"] for n in (1, 2, 4)]
     assert other[0] > other[1] > other[2]

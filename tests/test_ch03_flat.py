@@ -145,6 +145,7 @@ def ranks():
 
 
 # -- parity with torch's DDP -----------------------------------------------------------------------------------
+@pytest.mark.exercise("3.3")
 @pytest.mark.parametrize("n", WORLD_SIZES)
 @pytest.mark.parametrize("model", MODELS)
 @pytest.mark.parametrize("opt", OPTIMS)
@@ -162,12 +163,14 @@ def test_matches_torch_ddp(ranks, n, model, opt):
     assert max_abs_diff(ranks[n][0]["final"][(model, opt, None)], build_model(model, seed=0).state_dict()) > 1e-3
 
 
+@pytest.mark.exercise("3.3")
 @pytest.mark.parametrize("n", WORLD_SIZES)
 def test_padding_stays_zero(ranks, n):
     for r in range(n):
         assert all(ranks[n][r]["padding"].values())
 
 
+@pytest.mark.exercise("3.3")
 @pytest.mark.parametrize("n", WORLD_SIZES)
 def test_consolidated_state_dict_is_a_torch_optimizers(ranks, n):
     # same indices, same param groups (hyper-parameters, and the lr the scheduler set), and per-parameter
@@ -250,6 +253,8 @@ def measure(opt_name):
             "psi": count_params(model)}
 
 
+@pytest.mark.mechanism
+@pytest.mark.exercise("3.3")
 @pytest.mark.parametrize("n", WORLD_SIZES)
 @pytest.mark.parametrize("opt", OPTIMS)
 def test_bytes_per_step_are_ddps_up_to_padding(ranks, n, opt):
@@ -261,6 +266,8 @@ def test_bytes_per_step_are_ddps_up_to_padding(ranks, n, opt):
     assert ddp <= 2 * half <= ddp * 1.05  # DDP's 2Ψ(N-1)/N, plus the padding
 
 
+@pytest.mark.mechanism
+@pytest.mark.exercise("3.3")
 @pytest.mark.parametrize("n", WORLD_SIZES)
 @pytest.mark.parametrize("opt", OPTIMS)
 def test_each_rank_holds_the_state_of_its_slice_only(ranks, n, opt):
@@ -294,6 +301,7 @@ def resume(opt, whole, reference):
             "from_torch": max_abs_diff(from_torch["params"], whole["params"]), "keys": sorted(sharded)}
 
 
+@pytest.mark.exercise("3.3")
 @pytest.mark.parametrize("n", WORLD_SIZES)
 @pytest.mark.parametrize("opt", OPTIMS)
 def test_state_dict_round_trips(ranks, n, opt):

@@ -31,18 +31,48 @@ def shares(model, n):
         model.parameters())}], n)]
 
 
+@pytest.mark.exercise("3.1")
 @pytest.mark.parametrize("n", range(1, 9))
-def test_greedy_partition_covers_everything_once_and_balances(n):
+def test_partition_covers_everything_once(n):
+    model = TinyGPT(TOUR_MODEL)
+    owned = [id(p) for share in shares(model, n) for p in share]
+    assert sorted(owned) == sorted(id(p) for p in model.parameters())
+
+
+@pytest.mark.mechanism
+@pytest.mark.exercise("3.1")
+@pytest.mark.parametrize("n", range(1, 9))
+def test_greedy_partition_balances(n):
     model = TinyGPT(TOUR_MODEL)
     parts = shares(model, n)
-    owned = [id(p) for share in parts for p in share]
-    assert sorted(owned) == sorted(id(p) for p in model.parameters())
     sizes = [sum(p.numel() for p in share) for share in parts]
     largest = max(p.numel() for p in model.parameters())
     assert max(sizes) - min(sizes) <= largest  # greedy-largest-first: within one parameter of each other
     assert imbalance(parts) <= imbalance(partition_by_order([{"params": list(model.parameters())}], n))
 
 
+@pytest.mark.mechanism
+@pytest.mark.exercise("3.1")
+def test_partition_is_greedy_largest_first():
+    # sizes in registration order 1, 5, 3, 4, 2; then a second group of two equal ones, 3 and 3
+    first = [torch.nn.Parameter(torch.zeros(k)) for k in (1, 5, 3, 4, 2)]
+    second = [torch.nn.Parameter(torch.zeros(3)) for _ in range(2)]
+    index = {p: i for i, p in enumerate(first + second)}
+
+    def owners(groups, n):
+        return [sorted(index[p] for g in rank for p in g["params"]) for rank in partition_parameters(groups, n)]
+
+    # 5 -> rank 0; 4 -> rank 1; 3 -> rank 1 (4 < 5); 2 -> rank 0 (7 > 5); 1 -> rank 0 (a tie at 7: the lower
+    # rank). In registration order instead, greedy gives [[0, 2, 3], [1, 4]]; dealt round-robin, [[0, 2, 4],
+    # [1, 3]]; largest first round-robin, [[0, 1, 2], [3, 4]]
+    assert owners([{"params": first}], 2) == [[0, 1, 4], [2, 3]]
+    assert owners([{"params": first}], 3) == [[1], [0, 3], [2, 4]]
+    # the totals carry over from group to group (rank 1 has 7, rank 0 has 8), and a stable sort keeps equal
+    # sizes in registration order: the first 3 goes to rank 1, the second to rank 0
+    assert owners([{"params": first}, {"params": second}], 2) == [[0, 1, 4, 6], [2, 3, 5]]
+
+
+@pytest.mark.exercise("3.1")
 def test_one_huge_tensor_defeats_any_partition_of_whole_tensors():
     model = torch.nn.Sequential(torch.nn.Linear(1000, 1000), torch.nn.Linear(1000, 10))
     parts = shares(model, 4)
@@ -110,6 +140,7 @@ def state_and_partition(optimizer, param_sync="broadcast"):
     share_sizes = [sum(p.numel() for p in opt.owned_params(k)) for k in range(n)]
     return {"optim_bytes": sum(t.numel() * t.element_size() for t in optimizer_tensors(opt)),
             "owned_index": owned_index, "share_sizes": share_sizes, "bytes": dict(sent.bytes),
+            "calls": dict(sent.calls),
             "full_state": full, "params": {k: v.clone() for k, v in net.state_dict().items()}}
 
 
@@ -147,6 +178,7 @@ def ranks():
     return {n: launch(chapter_cases, world_size=n, device="cpu") for n in WORLD_SIZES}
 
 
+@pytest.mark.exercise("3.1", "3.2")
 @pytest.mark.parametrize("n", WORLD_SIZES)
 @pytest.mark.parametrize("model", MODELS)
 @pytest.mark.parametrize("opt", OPTIMS)
@@ -156,12 +188,14 @@ def test_bit_exact_against_torch_ddp_with_a_local_optimizer(ranks, n, model, opt
         assert max_abs_diff(res[(model, opt, "oss")]["params"], res[(model, opt, "torch_ddp")]["params"]) == 0.0
 
 
+@pytest.mark.exercise("3.1", "3.2")
 @pytest.mark.parametrize("n", WORLD_SIZES)
 def test_bit_exact_against_torchs_zero_redundancy_optimizer(ranks, n):
     ours = ranks[n][0]["parity"][("gpt", "adamw", "oss")]["params"]
     assert max_abs_diff(ours, ranks[n][0]["torch_zero"]) == 0.0
 
 
+@pytest.mark.exercise("3.1", "3.2")
 @pytest.mark.parametrize("n", WORLD_SIZES)
 def test_param_groups_schedulers_and_add_param_group(ranks, n):
     (ours, our_lrs), (theirs, their_lrs) = ranks[n][0]["groups"]["oss"], ranks[n][0]["groups"]["torch"]
@@ -169,6 +203,7 @@ def test_param_groups_schedulers_and_add_param_group(ranks, n):
     assert max_abs_diff(ours, theirs) == 0.0
 
 
+@pytest.mark.exercise("3.1")
 @pytest.mark.parametrize("n", WORLD_SIZES)
 @pytest.mark.parametrize("opt", OPTIMS)
 def test_optimizer_state_is_one_nth_within_the_partitions_imbalance(ranks, n, opt):
@@ -185,6 +220,8 @@ def test_optimizer_state_is_one_nth_within_the_partitions_imbalance(ranks, n, op
         assert res["optim_bytes"] <= total / n * worst + 4 * len(params)
 
 
+@pytest.mark.mechanism
+@pytest.mark.exercise("3.2")
 @pytest.mark.parametrize("n", WORLD_SIZES)
 def test_bytes_per_step_broadcast_and_all_gather_designs(ranks, n):
     psi = sum(p.numel() for p in build_model("gpt", seed=0).parameters())
@@ -200,6 +237,21 @@ def test_bytes_per_step_broadcast_and_all_gather_designs(ranks, n):
     assert max_abs_diff(ranks[n][0]["all_gather"]["params"], ranks[n][0]["state"]["adamw"]["params"]) == 0.0
 
 
+@pytest.mark.mechanism
+@pytest.mark.exercise("3.2")
+@pytest.mark.parametrize("n", WORLD_SIZES)
+def test_each_owner_broadcasts_its_parameters_as_one_flat_tensor(ranks, n):
+    # one broadcast per owner and step (no broadcast_buffer_size: one bucket each), nothing else after
+    # DDP's all-reduces -- not one call per parameter, nor an all-gather or all-reduce in its place
+    for r in range(n):
+        res = ranks[n][r]["state"]["adamw"]
+        owners = sum(size > 0 for size in res["share_sizes"])
+        assert owners == n  # the tiny GPT has enough parameters for every rank to own some
+        assert res["calls"]["broadcast"] == 3 * owners
+        assert set(res["calls"]) == {"all_reduce", "broadcast"}
+
+
+@pytest.mark.exercise("3.1", "3.2")
 @pytest.mark.parametrize("n", WORLD_SIZES)
 @pytest.mark.parametrize("opt", OPTIMS)
 def test_consolidated_state_equals_a_plain_optimizers(ranks, n, opt):
@@ -233,6 +285,7 @@ def resume(params, state, use_oss, steps=3):
     return {k: v.clone() for k, v in net.state_dict().items()}
 
 
+@pytest.mark.exercise("3.1", "3.2")
 def test_a_state_saved_at_two_ranks_resumes_at_three(ranks):
     saved = ranks[2][0]["state"]["adamw"]
     ours = launch(resume, world_size=3, args=(saved["params"], saved["full_state"], True), device="cpu")
@@ -251,6 +304,7 @@ def state_dict_without_consolidating():
     OSS([torch.nn.Parameter(torch.ones(3))], optim=torch.optim.SGD, lr=0.1).state_dict()
 
 
+@pytest.mark.exercise("3.1")  # the second case builds an OSS, partition and all
 def test_bad_input_is_named():
     with pytest.raises(RankFailedError, match="more than one parameter group"):
         launch(duplicated_params, world_size=1, device="cpu")

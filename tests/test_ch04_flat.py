@@ -107,6 +107,7 @@ def ranks():
 
 
 # -- parity ---------------------------------------------------------------------------------------------------
+@pytest.mark.exercise("4.3")
 @pytest.mark.parametrize("n", WORLD_SIZES)
 @pytest.mark.parametrize("model", MODELS)
 @pytest.mark.parametrize("opt", OPTIMS)
@@ -121,6 +122,7 @@ def test_matches_torch_ddp(ranks, n, model, opt):
     assert max_abs_diff(ranks[n][0]["final"][(model, opt)], build_model(model, seed=0).state_dict()) > 1e-3
 
 
+@pytest.mark.exercise("4.3")
 @pytest.mark.parametrize("n", WORLD_SIZES)
 def test_unused_params_do_not_hang_and_zero2_is_zero1_bit_for_bit(ranks, n):
     for r in range(n):
@@ -134,7 +136,6 @@ def measure():
     cls, kw = OPTIMIZER_SPECS["adamw"]
     optimizer = FlatOSS(model.parameters(), optim=cls, bucket_cap_mb=CAP_MB["gpt"], **kw)
     meter = MemoryMeter(model, optimizer)  # before the wrapper: its hooks label each .grad before ours frees it
-    wrapped = FlatShardedDataParallel(model, optimizer)
     ready_at = {}
 
     def stamp(name):
@@ -142,8 +143,10 @@ def measure():
             ready_at.setdefault(name, time.perf_counter())
         return hook
 
-    for name, p in model.named_parameters():
+    for name, p in model.named_parameters():  # before the wrapper's too: the moment each gradient is ready
         p.register_post_accumulate_grad_hook(stamp(name))
+    wrapped = FlatShardedDataParallel(model, optimizer)
+    names = {p: name for name, p in model.named_parameters()}
     out = {}
     for step in range(2):
         ready_at.clear()
@@ -159,9 +162,15 @@ def measure():
     issued = [e.issued for e in counter.events if e.kind == "reduce_scatter"]
     return dict(out, bytes=dict(counter.bytes), calls=dict(counter.calls), psi=count_params(model),
                 padded=[b.flat.numel() for b in optimizer.buckets],
-                first_reduce_scatter_before_last_grad=issued[0] < ready_at["wte.weight"])
+                first_reduce_scatter_before_last_grad=bool(issued) and issued[0] < ready_at["wte.weight"],
+                # in launch order (tag bucketK): the moment each of the bucket's gradients was ready
+                ready=[[ready_at[names[p]] for p in b.params] for b in wrapped._flat_buckets],
+                issued=[(e.tag, e.issued) for e in counter.events if e.kind == "reduce_scatter"],
+                waits=[(w.tag, w.start) for w in counter.waits if w.tag.startswith("bucket")])
 
 
+@pytest.mark.mechanism
+@pytest.mark.exercise("4.3")
 @pytest.mark.parametrize("n", WORLD_SIZES)
 def test_bytes_per_step_are_ddps_up_to_padding(ranks, n):
     m = ranks[n][0]["measure"]
@@ -172,6 +181,8 @@ def test_bytes_per_step_are_ddps_up_to_padding(ranks, n):
     assert ddp <= 2 * half <= 1.05 * ddp  # DDP's 2Ψ(N-1)/N, plus the padding
 
 
+@pytest.mark.mechanism
+@pytest.mark.exercise("4.3")
 @pytest.mark.parametrize("n", WORLD_SIZES)
 def test_each_rank_ends_backward_with_the_gradients_of_its_slice_only(ranks, n):
     for r in range(n):
@@ -185,11 +196,26 @@ def test_each_rank_ends_backward_with_the_gradients_of_its_slice_only(ranks, n):
         assert m["after_step"]["optim"] == 8 * shard_elements + 4 * len(m["padded"])
 
 
+@pytest.mark.mechanism
+@pytest.mark.exercise("4.3")
 def test_reduce_scatters_start_during_backward(ranks):
     # the first bucket (the last layers) went out before backward reached the embedding
     for n in WORLD_SIZES:
         assert len(ranks[n][0]["measure"]["padded"]) > 2
         assert ranks[n][0]["measure"]["first_reduce_scatter_before_last_grad"]
+
+
+@pytest.mark.mechanism
+@pytest.mark.exercise("4.3")
+@pytest.mark.parametrize("n", WORLD_SIZES)
+def test_each_reduce_scatter_is_waited_for_only_once_the_next_bucket_is_computed(ranks, n):
+    # asynchronous: bucket k's reduce-scatter travels while backward computes bucket k + 1's gradients, and
+    # is waited for (a wait comm records, by tag) only when bucket k + 1 goes out -- not at once
+    m = ranks[n][0]["measure"]
+    assert [tag for tag, _ in m["issued"]] == [f"bucket{k}" for k in range(len(m["padded"]))]
+    for k, (tag, issued) in enumerate(m["issued"][:-1]):
+        started = [t for w, t in m["waits"] if w == tag]
+        assert all(t > min(m["ready"][k + 1]) for t in started), f"{tag} waited for before bucket{k + 1}'s gradients"
 
 
 # -- accumulation -----------------------------------------------------------------------------------------------
@@ -215,6 +241,7 @@ def accumulate(strategy, how):
     return {k: v.clone() for k, v in model.state_dict().items()}, sent, kept
 
 
+@pytest.mark.exercise("4.3")
 @pytest.mark.parametrize("n", WORLD_SIZES)
 @pytest.mark.parametrize("how", ("no_sync", "twice"))
 def test_accumulation_matches_torch(ranks, n, how):

@@ -33,6 +33,15 @@ def grads_after_backward(model_name="gpt"):
     net = build_model(model_name, seed=0)
     opt = OSS(net.parameters(), optim=cls, **kw)
     model = ShardedDataParallel(net, opt, bucket_cap_mb=0.01)  # several buckets per owner
+    names = {p: name for name, p in net.named_parameters()}
+    still_held = []  # at each gradient's arrival: the params of buckets already sent that hold a .grad
+
+    def after_the_wrappers_hook(p):  # registered after the wrapper's: it has launched what p completed
+        still_held.extend(names[q] for b in model._buckets[:model._next] for q in b.params if q.grad is not None)
+
+    for p in net.parameters():
+        if p.requires_grad:
+            p.register_post_accumulate_grad_hook(after_the_wrappers_hook)
     n, r = dist.get_world_size(), dist.get_rank()
     with comm.counting() as sent:
         loss_of(model_name, model, batch(model_name, 0, 12, r, n, "cpu")).backward()
@@ -42,7 +51,7 @@ def grads_after_backward(model_name="gpt"):
              if any(p is q for q in opt.owned_params(r)) and p.requires_grad}
     grad_bytes = sum(p.grad.numel() * 4 for p in net.parameters() if p.grad is not None)
     return {"held": held, "owned": owned, "grad_bytes": grad_bytes, "bytes": dict(sent.bytes),
-            "buckets": len(model._buckets), "calls": dict(sent.calls)}
+            "buckets": len(model._buckets), "calls": dict(sent.calls), "still_held": sorted(set(still_held))}
 
 
 def accumulate(strategy):
@@ -139,6 +148,7 @@ def ranks():
     return {n: launch(chapter_cases, world_size=n, device="cpu") for n in WORLD_SIZES}
 
 
+@pytest.mark.exercise("4.1")
 @pytest.mark.parametrize("n", WORLD_SIZES)
 @pytest.mark.parametrize("model", MODELS)
 @pytest.mark.parametrize("opt", OPTIMS)
@@ -151,6 +161,8 @@ def test_parity_with_torch_ddp(ranks, n, model, opt):
         assert max_abs_diff(res[(model, opt, "sdp")]["params"], ranks[n][0]["parity"][(model, opt, "sdp")]["params"]) == 0.0
 
 
+@pytest.mark.mechanism
+@pytest.mark.exercise("4.1")
 @pytest.mark.parametrize("n", WORLD_SIZES)
 def test_each_rank_keeps_only_the_gradients_it_owns(ranks, n):
     psi = sum(p.numel() for p in build_model("gpt", 0).parameters())
@@ -162,6 +174,17 @@ def test_each_rank_keeps_only_the_gradients_it_owns(ranks, n):
     assert total == 4 * psi  # the owners' gradients add up to one full set: 4Ψ/N each, on average
 
 
+@pytest.mark.mechanism
+@pytest.mark.exercise("4.1")
+@pytest.mark.parametrize("n", WORLD_SIZES)
+def test_a_bucket_sent_holds_no_gradient_on_any_rank(ranks, n):
+    # The moment a bucket is launched, its gradients exist only in the flat copy that is sent: every rank
+    # drops them, the owner too (the reduced bucket comes back to it in the write-back). Kept until then,
+    # they would add up to the gradients of a whole share.
+    for r in range(n):
+        assert ranks[n][r]["grads"]["still_held"] == []
+
+
 @pytest.mark.parametrize("n", PEAK_WORLD_SIZES)
 def test_gradients_waiting_to_be_sent_stay_within_one_bucket(ranks, n):
     # One bucket open per owner, but together they hold one cap, as DDP's one open bucket does: with a cap
@@ -170,6 +193,8 @@ def test_gradients_waiting_to_be_sent_stay_within_one_bucket(ranks, n):
     assert 0 < unsent <= cap + largest
 
 
+@pytest.mark.mechanism
+@pytest.mark.exercise("4.1")
 @pytest.mark.parametrize("n", WORLD_SIZES)
 def test_bytes_per_step_equal_ddp(ranks, n):
     psi = sum(p.numel() for p in build_model("gpt", 0).parameters())
@@ -180,6 +205,8 @@ def test_bytes_per_step_equal_ddp(ranks, n):
         assert n == 1 or res["calls"]["reduce"] == res["buckets"] > n
 
 
+@pytest.mark.mechanism
+@pytest.mark.exercise("4.1")
 @pytest.mark.parametrize("n", WORLD_SIZES)
 @pytest.mark.parametrize("opt", OPTIMS)
 def test_model_states_measured_vs_analytic(ranks, n, opt):
@@ -196,8 +223,10 @@ def test_model_states_measured_vs_analytic(ranks, n, opt):
     assert res["peak"] > sum(model[k] for k in ("params", "grads", "optim"))
 
 
+@pytest.mark.mechanism
 @pytest.mark.parametrize("n", PEAK_WORLD_SIZES)
-@pytest.mark.parametrize("zero1, zero2", [("oss", "sdp"), ("oss_flat", "sdp_flat")])
+@pytest.mark.parametrize("zero1, zero2", [pytest.param("oss", "sdp", marks=pytest.mark.exercise("4.1")),
+                                          pytest.param("oss_flat", "sdp_flat", marks=pytest.mark.exercise("4.3"))])
 def test_zero2_peak_falls_by_the_gradients_it_shards(ranks, n, zero1, zero2):
     """Over ZeRO-1, ZeRO-2 saves 4Ψ(N-1)/N of gradients; the peak must fall by at least 80% of that. (It
     only falls if each bucket's gradients are freed as it is sent, and each sent copy soon after: a rank
@@ -209,11 +238,13 @@ def test_zero2_peak_falls_by_the_gradients_it_shards(ranks, n, zero1, zero2):
     assert saved >= 0.8 * promised, f"{zero2} saves {saved / promised:.0%} of 4Ψ(N-1)/N over {zero1}"
 
 
+@pytest.mark.exercise("4.1")
 def test_no_sync_accumulation_matches_torch(ranks):
     res = ranks[2][0]["no_sync"]
     assert max_abs_diff(res["sdp"], res["torch"]) == 0.0
 
 
+@pytest.mark.exercise("4.1")
 def test_synced_backwards_without_zero_grad_accumulate_as_under_ddp(ranks):
     # Not bit-exact by construction: DDP averages (old average + new local gradient), while SDP adds the
     # old average to the new one (only the owner has it); same sum, rounded differently.
@@ -237,6 +268,7 @@ def freeze_after_building():
     return error, net.out.weight.grad is None
 
 
+@pytest.mark.exercise("4.1")
 def test_a_change_of_trainable_parameters_is_caught_and_refreshed():
     for error, frozen_has_no_grad in launch(freeze_after_building, world_size=2, device="cpu"):
         assert "out.weight" in error and "refresh_trainable()" in error
@@ -253,6 +285,7 @@ def optimizer_over_some_params():
     ShardedDataParallel(net, OSS(net.inp.parameters(), optim=torch.optim.SGD, lr=0.1))
 
 
+@pytest.mark.exercise("3.1")  # the second case builds an OSS
 def test_bad_input_is_named():
     with pytest.raises(RankFailedError, match="needs a sharded optimizer"):
         launch(plain_optimizer, world_size=1, device="cpu")

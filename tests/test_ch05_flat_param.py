@@ -6,7 +6,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from minifsdp import MemoryMeter, comm, launch
-from minifsdp.fsdp.flat_param import FlatParameter
+from minifsdp.fsdp.flat_param import FlatParameter, ShardState
 
 WORLD_SIZES = (1, 2, 3, 4)
 
@@ -18,14 +18,22 @@ def odd_module():
     return m
 
 
+def places_of(m):
+    return [(m[0], "weight"), (m[0], "bias"), (m[1], "weight"), (m[1], "bias"), (m, "tied")]
+
+
 def flat_cases():
     r = dist.get_rank()
+    # built under a meter: what a rank keeps of the unit is its shard, and nothing else
+    with MemoryMeter() as meter:
+        built = FlatParameter(places_of(odd_module()))
+    built_live = meter.live()["total"]
+    del built
     m = odd_module()
     originals = {f"{i}.{name}": getattr(m[i], name).detach().clone() for i in (0, 1) for name in ("weight", "bias")}
-    places = [(m[0], "weight"), (m[0], "bias"), (m[1], "weight"), (m[1], "bias"), (m, "tied")]
-    flat = FlatParameter(places)
+    flat = FlatParameter(places_of(m))
     out = {"shard": flat.param.detach().clone(), "numel": flat.numel, "shard_numel": flat.shard_numel,
-           "sharded_weight_numel": m[0].weight.numel()}
+           "sharded_weight_numel": m[0].weight.numel(), "built_live": built_live}
     meter = MemoryMeter()
     with meter:
         with comm.counting() as sent:
@@ -35,7 +43,7 @@ def flat_cases():
                                  for i, mod in enumerate(m) for name in ("weight", "bias"))
         out["is_view"] = m[0].weight.untyped_storage().data_ptr() == flat.param.untyped_storage().data_ptr()
         out["tie_kept"] = m.tied.data_ptr() == m[0].weight.data_ptr()  # both places show one view
-        out["all_gather_bytes"] = sent.bytes["all_gather"]
+        out["unshard_sent"], out["unshard_calls"] = dict(sent.bytes), dict(sent.calls)
         # a gradient through the views lands in the flat parameter, then is reduce-scattered to a shard
         meter.reset_peak()
         (m[1](torch.tanh(m[0](torch.ones(2, 7))).repeat(1, 2)[:, :16]).sum() * (r + 1)).backward()
@@ -43,12 +51,25 @@ def flat_cases():
         full_grad = flat.param.grad
         flat.param.grad = None
         out["full_grad"] = full_grad.clone()  # reduce_scatter_grad scales its argument in place
-        handle, grad_shard = flat.reduce_scatter_grad(full_grad)
-        handle.wait()
+        with comm.counting() as sent:
+            handle, grad_shard = flat.reduce_scatter_grad(full_grad)
+            handle.wait()
+        out["reduce_sent"], out["reduce_calls"] = dict(sent.bytes), dict(sent.calls)
         out["grad_shard"] = grad_shard
         before = meter.live()["other"]
         flat.reshard()
         out["freed"] = before - meter.live()["other"]
+        # a prefetch (chapter 7): unshard(async_op=True) only starts the all-gather; nothing is waited for
+        # until wait_unshard(), and the all-gather lands in the buffer itself, with no second one beside it
+        meter.reset_peak()
+        before = meter.live()["total"]
+        with comm.counting(record=True) as sent:
+            flat.unshard(async_op=True)
+            out["prefetch"] = (flat.state, [w.tag for w in sent.waits])
+            flat.wait_unshard()
+        out["prefetch_peak"] = meter.peak - before
+        out["prefetch_views_equal"] = torch.equal(m[1].bias, originals["1.bias"])
+        flat.reshard()
     out["peak"] = meter.peak
     return out
 
@@ -58,6 +79,7 @@ def ranks():
     return {n: launch(flat_cases, world_size=n, device="cpu") for n in WORLD_SIZES}
 
 
+@pytest.mark.exercise("5.1")
 @pytest.mark.parametrize("n", WORLD_SIZES)
 def test_flatten_pad_and_shard(ranks, n):
     m = odd_module()
@@ -76,16 +98,43 @@ def test_flatten_pad_and_shard(ranks, n):
     assert res[0]["sharded_weight_numel"] == 0  # while sharded, the original holds nothing
 
 
+@pytest.mark.mechanism
+@pytest.mark.exercise("5.1")
+@pytest.mark.parametrize("n", WORLD_SIZES)
+def test_a_rank_keeps_only_its_shard(ranks, n):
+    # measured by the meter over the construction: the padded flat copy is gone, the originals hold
+    # nothing, and the shard has a storage of its own, the shard's size (not a view into a full-size copy)
+    for res in ranks[n]:
+        assert res["built_live"] == res["shard_numel"] * 4
+
+
+@pytest.mark.exercise("5.3")
 @pytest.mark.parametrize("n", WORLD_SIZES)
 def test_unshard_gives_views_into_one_buffer_and_reshard_frees_it(ranks, n):
     for res in ranks[n]:
-        assert res["views_equal"] and res["is_view"] and res["tie_kept"]
+        assert res["views_equal"] and res["is_view"] and res["tie_kept"] and res["prefetch_views_equal"]
         padded_bytes = res["shard_numel"] * n * 4
         assert res["unsharded_live"] == padded_bytes  # one buffer, no copies out of it
         assert res["freed"] == padded_bytes  # reshard frees exactly the unsharded buffer
-        assert res["all_gather_bytes"] == padded_bytes * (n - 1) / n
 
 
+@pytest.mark.mechanism
+@pytest.mark.exercise("5.3")
+@pytest.mark.parametrize("n", WORLD_SIZES)
+def test_unshard_is_one_async_all_gather_into_the_buffer(ranks, n):
+    for res in ranks[n]:
+        padded_bytes = res["shard_numel"] * n * 4
+        # one all-gather of the padded buffer, counted by comm: (N-1)/N of it sent, nothing else
+        assert res["unshard_calls"] == {"all_gather": 1}
+        assert res["unshard_sent"] == {"all_gather": padded_bytes * (n - 1) / n}
+        # started, not waited for: the prefetch returns with the all-gather in flight
+        state, waited = res["prefetch"]
+        assert state is ShardState.UNSHARDING and waited == []
+        # and the all-gather writes into the full buffer itself: the peak grows by that buffer only
+        assert res["prefetch_peak"] == padded_bytes
+
+
+@pytest.mark.exercise("5.2")
 @pytest.mark.parametrize("n", WORLD_SIZES)
 def test_reduce_scatter_gives_each_rank_its_shard_of_the_average(ranks, n):
     # rank r scaled its loss by r + 1: the average gradient is the plain one times mean(1..N)
@@ -97,6 +146,19 @@ def test_reduce_scatter_gives_each_rank_its_shard_of_the_average(ranks, n):
                                    rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.mechanism
+@pytest.mark.exercise("5.2")
+@pytest.mark.parametrize("n", WORLD_SIZES)
+def test_the_average_is_one_reduce_scatter(ranks, n):
+    # one reduce-scatter of the padded flat gradient, counted by comm: not an all-reduce (twice the bytes)
+    # with this rank's slice kept, nor a collective called on torch.distributed directly
+    for res in ranks[n]:
+        padded_bytes = res["shard_numel"] * n * 4
+        assert res["reduce_calls"] == {"reduce_scatter": 1}
+        assert res["reduce_sent"] == {"reduce_scatter": padded_bytes * (n - 1) / n}
+
+
+@pytest.mark.exercise("5.3")
 @pytest.mark.parametrize("n", WORLD_SIZES)
 def test_the_flat_gradient_is_built_in_one_buffer(ranks, n):
     # in backward: the full buffer, the pieces of the gradient of the one split (the gaps' as zeros) and

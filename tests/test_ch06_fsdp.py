@@ -9,12 +9,13 @@ unlike torch's optimizers, which skip it.
 """
 
 import contextlib
+import time
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from minifsdp import RankFailedError, comm, launch
+from minifsdp import RankFailedError, comm, events, launch
 from minifsdp.fsdp import FullyShardedDataParallel as FSDP
 from minifsdp.fsdp import ModuleWrapPolicy, SizeBasedWrapPolicy
 from minifsdp.models import Block, TinyGPT
@@ -132,8 +133,33 @@ def unused_in_some_steps():
     return model.full_state_dict()
 
 
+def one_backward_recorded():
+    """One step of this chapter's runtime (no prefetching) at two ranks: the collectives in issue order, the
+    waits for them, and at the start of each unit's backward, which units hold their full parameters."""
+    model = FSDP(build_model("gpt", seed=0), auto_wrap_policy=ModuleWrapPolicy({Block}), backward_prefetch=None)
+    begins = []
+
+    def on_begin(name):
+        if name.startswith("backward "):
+            unsharded = [u.unit_name for u in model.units() if any(f.is_unsharded for f in u.flat_params)]
+            begins.append((name.split(" ", 1)[1], time.perf_counter(), sorted(unsharded)))
+
+    n, r = dist.get_world_size(), dist.get_rank()
+    loss = loss_of("gpt", model, batch("gpt", 0, 12, r, n, "cpu"))
+    events.subscribe(events.COMPUTE_BEGIN, on_begin)
+    try:
+        with comm.counting(record=True) as c:
+            loss.backward()
+    finally:
+        events.unsubscribe(events.COMPUTE_BEGIN, on_begin)
+    return {"begins": begins, "issued": [(e.kind, e.tag, e.issued) for e in c.events],
+            "waits": [(w.tag, w.start) for w in c.waits], "units": [u.unit_name for u in model.units()]}
+
+
 def chapter_cases():
     out = {"toy": {k: toy_and_state_dict(k) for k in ("fsdp", "ddp")}, "unused": unused_in_some_steps()}
+    if dist.get_world_size() == 2:
+        out["recorded"] = one_backward_recorded()
     if dist.get_world_size() in (2, 3):
         from minifsdp.reports.phases import _one_fsdp_step, _phases
 
@@ -154,6 +180,7 @@ def ranks():
     return {n: launch(chapter_cases, world_size=n, device="cpu") for n in WORLD_SIZES}
 
 
+@pytest.mark.exercise("6.1", "6.2")
 @pytest.mark.parametrize("n", WORLD_SIZES)
 @pytest.mark.parametrize("wrap", list(WRAPS))
 @pytest.mark.parametrize("opt", ["sgd", "adamw"])
@@ -165,6 +192,8 @@ def test_parity_with_torch_ddp(ranks, n, wrap, opt, raf):
         assert max_abs_diff(ours, ranks[n][0][(wrap, opt, raf)][0]) == 0.0  # replicas agree
 
 
+@pytest.mark.mechanism
+@pytest.mark.exercise("6.1", "6.2")
 @pytest.mark.parametrize("n", WORLD_SIZES)
 def test_bytes_per_step(ranks, n):
     psi = sum(p.numel() for p in TinyGPT().parameters())
@@ -210,6 +239,7 @@ def shapes_differ():
     FSDP(build_model("toy", seed=0) if dist.get_rank() == 0 else TinyGPT())
 
 
+@pytest.mark.exercise("5.1")  # wrap_twice builds a unit first
 def test_bad_input_is_named():
     with pytest.raises(RankFailedError, match="already wrapped"):
         launch(wrap_twice, world_size=1, device="cpu")
@@ -223,6 +253,7 @@ def test_bad_input_is_named():
         launch(shapes_differ, world_size=2, device="cpu")
 
 
+@pytest.mark.exercise("6.1", "6.2")
 @pytest.mark.parametrize("n", WORLD_SIZES)
 def test_toy_model_parity_and_full_state_dict_round_trip(ranks, n):
     (ours, reloaded), (theirs, _) = ranks[n][0]["toy"]["fsdp"], ranks[n][0]["toy"]["ddp"]
@@ -234,6 +265,7 @@ def test_toy_model_parity_and_full_state_dict_round_trip(ranks, n):
     assert torch.equal(ours["frozen.weight"], build_model("toy", seed=0).state_dict()["frozen.weight"])
 
 
+@pytest.mark.exercise("6.1", "6.2")
 @pytest.mark.parametrize("n", WORLD_SIZES)
 def test_parameters_unused_in_some_steps(ranks, n):
     for r in range(n):
@@ -241,6 +273,8 @@ def test_parameters_unused_in_some_steps(ranks, n):
 
 
 # -- memory at each phase, units, torch's FSDP2 -------------------------------------------------------------------
+@pytest.mark.mechanism
+@pytest.mark.exercise("6.1", "6.2")
 @pytest.mark.parametrize("n", (2, 3))
 def test_memory_at_each_phase_equals_the_analytic_model(ranks, n):
     from minifsdp.reports.phases import fsdp_param_bytes
@@ -263,6 +297,8 @@ def test_memory_at_each_phase_equals_the_analytic_model(ranks, n):
         assert nraf["phases"]["after forward"]["total"] - raf["phases"]["after forward"]["total"] == extra
 
 
+@pytest.mark.mechanism
+@pytest.mark.exercise("6.1", "6.2")
 @pytest.mark.parametrize("n", (2, 3))
 def test_each_units_bytes_counted_equal_computed(ranks, n):
     from minifsdp.distributed.comm import ring_bytes
@@ -274,6 +310,8 @@ def test_each_units_bytes_counted_equal_computed(ranks, n):
                                                 if row["unit"] == "(root)" else 0))
 
 
+@pytest.mark.mechanism
+@pytest.mark.exercise("6.1", "6.2")
 @pytest.mark.parametrize("n", (2, 3))
 def test_peak_memory_at_most_torchs_fsdp2(ranks, n):
     res = ranks[n][0]["fsdp2"]
@@ -282,6 +320,7 @@ def test_peak_memory_at_most_torchs_fsdp2(ranks, n):
     assert res["ours"]["losses"] == pytest.approx(res["torch_fsdp2"]["losses"], abs=1e-6)
 
 
+@pytest.mark.exercise("6.1", "6.2")
 @pytest.mark.parametrize("n", (2, 3))
 def test_eval_forward_and_two_forwards_before_one_backward(ranks, n):
     (ours, resharded), (theirs, _) = ranks[n][0]["eval"]["fsdp"], ranks[n][0]["eval"]["ddp"]
@@ -290,3 +329,36 @@ def test_eval_forward_and_two_forwards_before_one_backward(ranks, n):
     # forwards); DDP adds them one by one into one .grad, FSDP adds each forward's pair first (per view,
     # into the flat gradient), so the sums are grouped differently and the last bit can differ
     assert max_abs_diff(ours, theirs) <= 1e-6
+
+
+# -- how one backward runs: the order of its collectives, and what is unsharded when ----------------------------
+@pytest.mark.mechanism
+@pytest.mark.exercise("6.2")
+def test_backward_unshards_each_unit_just_before_its_own_compute(ranks):
+    rec = ranks[2][0]["recorded"]
+    assert [name for name, _, _ in rec["begins"]] == ["(root)", "blocks.1", "blocks.0"]
+    # when a unit's backward begins, the root (kept since forward) and that unit hold their full
+    # parameters, no other: the units still to come are gathered when their turn comes, not earlier
+    for name, _, unsharded in rec["begins"]:
+        assert unsharded == sorted({"(root)", name}), (name, unsharded)
+    # in backward (no prefetching), each block's all-gather is issued by its pre-backward hook, after the
+    # reduce-scatter of the block before it; the root's was never freed, and goes out last
+    started = rec["begins"][0][1]
+    order = [(kind, tag) for kind, tag, t in rec["issued"] if t > started]
+    assert order == [("all_gather", "unshard blocks.1"), ("reduce_scatter", "reduce_scatter blocks.1"),
+                     ("all_gather", "unshard blocks.0"), ("reduce_scatter", "reduce_scatter blocks.0"),
+                     ("reduce_scatter", "reduce_scatter (root)")]
+
+
+@pytest.mark.mechanism
+@pytest.mark.exercise("6.1")
+def test_each_reduce_scatter_travels_while_the_next_unit_computes(ranks):
+    rec = ranks[2][0]["recorded"]
+    begun = {name: t for name, t, _ in rec["begins"]}
+    # blocks.1's reduce-scatter is issued asynchronously and waited for (comm records each wait, by tag)
+    # only once blocks.0's backward is under way -- not by the hook that issued it
+    waits = [t for tag, t in rec["waits"] if tag == "reduce_scatter blocks.1"]
+    assert all(t > begun["blocks.0"] for t in waits), "blocks.1's reduce-scatter was waited for at once"
+    # and every unit's flat gradient goes out exactly once, in one reduce-scatter
+    sent = [tag for kind, tag, _ in rec["issued"] if kind == "reduce_scatter"]
+    assert sorted(sent) == sorted(f"reduce_scatter {u}" for u in rec["units"])

@@ -131,12 +131,14 @@ def results():
     return launch(cases, world_size=2)
 
 
+@pytest.mark.exercise("6.1", "6.2")
 def test_root_unused_in_one_accumulated_backward(results):
     for res in results:
         assert max_abs_diff(res["accumulated"], res["oracle_accumulated"]) <= 1e-6  # see the module docstring
     assert max_abs_diff(results[0]["oracle_accumulated"], results[0]["oracle"]) > 1e-3  # the schedule matters
 
 
+@pytest.mark.exercise("6.1", "6.2")
 def test_units_nested_by_hand_keep_the_weights_and_train_like_ddp(results):
     for res in results:
         assert res["by_hand_units"] == ["", "outer", "outer.inner"]
@@ -144,6 +146,7 @@ def test_units_nested_by_hand_keep_the_weights_and_train_like_ddp(results):
         assert max_abs_diff(res["by_hand"], res["oracle"]) == 0.0
 
 
+@pytest.mark.exercise("6.1", "6.2")
 @pytest.mark.parametrize("policy, units", [("by_class", ["", "outer", "outer.inner"]),
                                            # lin (42 parameters) first; then Outer, whose own + scale are 45
                                            ("by_size", ["", "outer", "outer.inner.lin"])])

@@ -20,6 +20,8 @@ from minifsdp.fsdp import ModuleWrapPolicy
 from minifsdp.models import Block, TinyGPT
 from minifsdp.state_dict import get_full_state_dict, set_full_state_dict
 
+pytestmark = pytest.mark.exercise("5.3")  # a full state dict is read and written through unshard()
+
 WEIGHT = "blocks.0.fc.weight"  # a parameter inside a nested unit: its shard lives in Block 0's flat parameter
 NEW = "blocks.1.no_such.weight"
 

@@ -68,6 +68,7 @@ def results():
     return launch(cases, world_size=2)
 
 
+@pytest.mark.exercise("5.1")  # the units are built; nothing runs
 @pytest.mark.parametrize("policy", list(POLICIES))
 def test_same_units_as_torch_fsdp1(results, policy):
     ours, theirs = results[0]["ours"][policy], results[0]["torch"][policy]
@@ -75,11 +76,13 @@ def test_same_units_as_torch_fsdp1(results, policy):
     assert len(ours) > 1  # the policy did wrap something (else the comparison is empty)
 
 
+@pytest.mark.exercise("5.1")
 def test_the_policies_differ(results):
     units = results[0]["ours"]
     assert units["size_based"] != units["size_based_small"] and units["transformer"] == units["module_wrap"]
 
 
+@pytest.mark.exercise("6.1", "6.2")
 @pytest.mark.parametrize("policy", list(POLICIES))
 def test_trains_like_ddp(results, policy):
     for res in results:

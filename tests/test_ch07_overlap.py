@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from minifsdp import RankFailedError, comm, launch
+from minifsdp import RankFailedError, comm, events, launch
 from minifsdp.fsdp import BACKWARD_POST, BACKWARD_PRE, AllGatherLimiter, BackwardPrefetch, ModuleWrapPolicy
 from minifsdp.fsdp import FullyShardedDataParallel as FSDP
 from minifsdp.measure.timeline import Span, Timeline, hidden_fraction, lane_time, plot_timeline, write_chrome_trace
@@ -32,12 +32,24 @@ VARIANTS["forward_prefetch + BACKWARD_PRE, NRAF"] = dict(MODES["forward_prefetch
 
 
 # -- pieces, without ranks (first, so that they fail fast when an exercise is missing) --------------------
+@pytest.mark.exercise("7.3")
 def test_hidden_fraction_on_made_up_spans():
     comm_only = [Span("all_gather", "a", 0.0, 10.0), Span("reduce_scatter", "b", 5.0, 15.0)]
     assert hidden_fraction(comm_only) == 1.0  # nobody waited
     assert hidden_fraction(comm_only + [Span("wait", "a", 0.0, 15.0)]) == 0.0
     assert hidden_fraction(comm_only + [Span("wait", "a", 5.0, 8.0), Span("wait", "b", 12.0, 20.0)]) == pytest.approx(0.6)
     assert hidden_fraction([Span("compute", "forward x", 0.0, 1.0)]) == 1.0
+
+
+@pytest.mark.mechanism
+@pytest.mark.exercise("7.3")
+def test_hidden_fraction_counts_each_moment_once():
+    """Unions, not sums: two waits over the same moment block the rank once (on a GPU, waits of two streams
+    can overlap), two collectives in flight at once are one stretch of busy wire, and a wait outside every
+    collective hides nothing and exposes nothing."""
+    comm_spans = [Span("all_gather", "a", 0.0, 10.0), Span("all_gather", "b", 2.0, 10.0)]
+    waits = [Span("wait", "a", 2.0, 6.0), Span("wait", "b", 4.0, 8.0), Span("wait", "c", 12.0, 14.0)]
+    assert hidden_fraction(comm_spans + waits) == pytest.approx(1 - 6 / 10)  # exposed: [2, 8]
 
 
 def test_rate_limiter_waits_for_the_oldest_free():
@@ -85,14 +97,30 @@ def _gpt():
 
 
 def issue_order(mode):
-    """The third step of a mode: the collectives in issue order, with issue times, and the compute spans."""
+    """The third step of a mode: its timeline's spans, and the order itself, as the recorder saw it: each
+    collective ("all_gather", unit) and each unit's compute beginning and ending ("begin", "forward blocks.0"),
+    one after the other -- no clock involved."""
     model, opt = build(SMALL, mode)
     for i in range(2):
         step(model, opt, SMALL, i, global_batch=12)
+    order = []
     with Timeline() as tl:
-        step(model, opt, SMALL, 2, global_batch=12)
-    events = [(e.kind, e.tag.split(" ", 1)[1], e.issued - tl.origin) for e in tl.counter.events]
-    return events, tl.spans()
+        def mark(what):  # a compute event: after the collectives issued so far
+            return lambda name: order.append((what, name, len(tl.counter.events)))
+        listeners = {events.COMPUTE_BEGIN: mark("begin"), events.COMPUTE_END: mark("end")}
+        for kind, fn in listeners.items():
+            events.subscribe(kind, fn)
+        try:
+            step(model, opt, SMALL, 2, global_batch=12)
+        finally:
+            for kind, fn in listeners.items():
+                events.unsubscribe(kind, fn)
+    collectives = [(e.kind, e.tag.split(" ", 1)[1]) for e in tl.counter.events]
+    sequence, done = [], 0
+    for what, name, issued_before in order:
+        sequence += collectives[done:issued_before] + [(what, name)]
+        done = issued_before
+    return tl.spans(), sequence + collectives[done:]
 
 
 class Reordered(nn.Module):
@@ -157,6 +185,7 @@ def ranks():
 
 
 # -- values: prefetching never changes one -----------------------------------------------------------------
+@pytest.mark.exercise("7.1", "7.2")
 @pytest.mark.parametrize("n", WORLD_SIZES)
 @pytest.mark.parametrize("variant", [v for v in VARIANTS if v != "no prefetch"])
 @pytest.mark.parametrize("opt", ["sgd", "adamw"])
@@ -166,6 +195,7 @@ def test_prefetch_keeps_bit_exact_parity(ranks, n, variant, opt):
         assert max(float((ours[k] - reference[k]).abs().max()) for k in ours) == 0.0
 
 
+@pytest.mark.exercise("7.1", "7.2")
 @pytest.mark.parametrize("n", WORLD_SIZES)
 def test_changing_order_is_still_right_and_leaves_nothing_unsharded(ranks, n):
     """A prefetch the graph does not use is freed at the end of forward, and values stay exact."""
@@ -175,64 +205,64 @@ def test_changing_order_is_still_right_and_leaves_nothing_unsharded(ranks, n):
         assert left_plain == left_prefetched == [0] * 5
 
 
-# -- order: read from the recorder --------------------------------------------------------------------------
-def _backward_events(events):
-    """The collectives of backward: forward all-gathers the root and each block once, backward the rest."""
-    ags = [i for i, (kind, _, _) in enumerate(events) if kind == "all_gather"]
-    return events[ags[SMALL.n_layer] + 1:]
+# -- order: read from the recorder, not from a clock ---------------------------------------------------------------
+def _at(sequence, what, name):
+    """Where the first `what` ("all_gather", "reduce_scatter", "begin", "end") of `name` is in the sequence."""
+    return sequence.index((what, name))
 
 
-def _index(events, kind, unit):
-    return next(i for i, (k, u, _) in enumerate(events) if k == kind and u == unit)
+def _backward(sequence):
+    """The sequence after forward: the root's forward compute ends last (it encloses the blocks')."""
+    return sequence[_at(sequence, "end", "forward (root)") + 1:]
 
 
-def _compute(spans, name):
-    mine = [s for s in spans if s.lane == "compute" and s.name == name]
-    assert mine, f"no compute span {name!r}"
-    return min(s.start for s in mine), max(s.end for s in mine)
-
-
+@pytest.mark.mechanism
+@pytest.mark.exercise("7.2")
 @pytest.mark.parametrize("n", WORLD_SIZES)
 def test_backward_issue_order_matches_the_mode(ranks, n):
+    """Block i-1's all-gather in block i's backward: without prefetch, issued behind block i's reduce-scatter;
+    with BACKWARD_PRE before block i's compute begins, with BACKWARD_POST after it ends -- both ahead of the
+    reduce-scatter."""
     for r in range(n):
         for mode in MODES:
-            events, spans = ranks[n][r]["order"][mode]
-            back = _backward_events(events)
+            back = _backward(ranks[n][r]["order"][mode][1])
+            prefetch = MODES[mode]["backward_prefetch"]
             for i in range(SMALL.n_layer - 1, 0, -1):
-                ag_next, rs_here = _index(back, "all_gather", f"blocks.{i - 1}"), _index(back, "reduce_scatter", f"blocks.{i}")
-                issued_next = back[ag_next][2]
-                start, end = _compute(spans, f"backward blocks.{i}")
-                prefetch = MODES[mode]["backward_prefetch"]
+                ag_next = _at(back, "all_gather", f"blocks.{i - 1}")
+                rs_here = _at(back, "reduce_scatter", f"blocks.{i}")
+                begin, end = _at(back, "begin", f"backward blocks.{i}"), _at(back, "end", f"backward blocks.{i}")
                 if prefetch is None:   # issued when its own backward starts: behind our reduce-scatter
                     assert rs_here < ag_next, (mode, i)
                 else:                  # ahead of our reduce-scatter ...
                     assert ag_next < rs_here, (mode, i)
                 if prefetch == BACKWARD_PRE:   # ... and before our compute
-                    assert issued_next <= start, (mode, i)
+                    assert ag_next < begin, (mode, i)
                 if prefetch == BACKWARD_POST:  # ... but after it
-                    assert issued_next >= end, (mode, i)
+                    assert end < ag_next, (mode, i)
 
 
+@pytest.mark.mechanism
+@pytest.mark.exercise("7.1")
 @pytest.mark.parametrize("n", WORLD_SIZES)
 def test_forward_prefetch_issues_the_next_all_gather_before_computing(ranks, n):
+    """With forward_prefetch, block i+1's all-gather is issued before block i's forward compute begins (and
+    after block i's own: ours first, it is the one we wait for); without, only once it has ended."""
     for r in range(n):
         for mode in MODES:
-            events, spans = ranks[n][r]["order"][mode]
-            first_ag = {}
-            for kind, unit, t in events:
-                if kind == "all_gather":
-                    first_ag.setdefault(unit, t)
+            sequence = ranks[n][r]["order"][mode][1]
             for i in range(SMALL.n_layer - 1):
-                start, end = _compute(spans, f"forward blocks.{i}")
+                ag_here = _at(sequence, "all_gather", f"blocks.{i}")
+                ag_next = _at(sequence, "all_gather", f"blocks.{i + 1}")
+                begin, end = _at(sequence, "begin", f"forward blocks.{i}"), _at(sequence, "end", f"forward blocks.{i}")
                 if MODES[mode]["forward_prefetch"]:
-                    assert first_ag[f"blocks.{i + 1}"] <= start, (mode, i)
+                    assert ag_here < ag_next < begin, (mode, i)
                 else:
-                    assert first_ag[f"blocks.{i + 1}"] >= end, (mode, i)
+                    assert end < ag_next, (mode, i)
 
 
 @pytest.mark.parametrize("n", WORLD_SIZES)
 def test_timeline_has_every_units_compute_in_both_phases(ranks, n):
-    _, spans = ranks[n][0]["order"]["no prefetch"]
+    spans, _ = ranks[n][0]["order"]["no prefetch"]
     names = {s.name for s in spans if s.lane == "compute"}
     units = ["(root)"] + [f"blocks.{i}" for i in range(SMALL.n_layer)]
     assert names == {f"{phase} {u}" for phase in ("forward", "backward") for u in units}
@@ -240,6 +270,8 @@ def test_timeline_has_every_units_compute_in_both_phases(ranks, n):
 
 
 # -- memory: the extra full buffer, measured = analytic ---------------------------------------------------------
+@pytest.mark.mechanism
+@pytest.mark.exercise("7.1", "7.2")
 @pytest.mark.parametrize("n", [2, 4])
 def test_prefetch_memory_is_one_more_full_buffer(ranks, n):
     res = ranks[n][0]["memory"]
@@ -258,6 +290,8 @@ def test_prefetch_memory_is_one_more_full_buffer(ranks, n):
 
 
 # -- overlap: on a throttled link ------------------------------------------------------------------------------
+@pytest.mark.mechanism
+@pytest.mark.exercise("7.1", "7.2", "7.3")
 def test_prefetching_hides_communication_on_a_slow_link(ranks, tmp_path):
     off, on = (ranks[2][0]["throttled"][m] for m in ("no prefetch", "forward_prefetch + BACKWARD_PRE"))
     # measured about 0.4-0.6 for the waits on a quiet machine; on a loaded 2-core one the ranks' threads wake

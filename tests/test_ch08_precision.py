@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from minifsdp import launch
+from minifsdp import comm, launch
 from minifsdp.ddp import DistributedDataParallel as DDP
 from minifsdp.fsdp import FullyShardedDataParallel as FSDP
 from minifsdp.fsdp import ModuleWrapPolicy
@@ -77,15 +77,28 @@ def scaler_agreement():
     flat.param.register_hook(overflow)
     taken = []  # the steps this rank's optimizer really took
     opt.register_step_post_hook(lambda *args: taken.append(step_now[0]))
-    scales = []
+    scales, sent, reductions = [], [], []
+    all_reduce = comm.all_reduce
+
+    def seen(tensor, op=comm.ReduceOp.SUM, *args, **kwargs):  # which reduction, of how many numbers
+        reductions.append((op == comm.ReduceOp.MAX, tensor.numel()))
+        return all_reduce(tensor, op, *args, **kwargs)
+
     for step in range(STEPS):
         step_now[0] = step
         scaler.scale(loss_of("gpt", model, batch("gpt", step, 12, r, n, "cpu"))).backward()
-        scaler.step(opt)
+        comm.all_reduce = seen
+        try:
+            with comm.counting() as counter:
+                scaler.step(opt)
+        finally:
+            comm.all_reduce = all_reduce
+        sent.append((dict(counter.calls), dict(counter.bytes)))
         scales.append(scaler.get_scale())
         scaler.update()
         opt.zero_grad()
-    return {"local": scaler.local_found_inf, "scales": scales, "taken": taken}
+    return {"local": scaler.local_found_inf, "scales": scales, "taken": taken, "sent": sent,
+            "reductions": reductions}
 
 
 def fp16_without_scaler_warns():
@@ -149,6 +162,7 @@ def reference():
 
 # -- parity ---------------------------------------------------------------------------------------------------
 
+@pytest.mark.exercise("8.1", "8.2")
 @pytest.mark.parametrize("n", WORLD_SIZES)
 @pytest.mark.parametrize("policy", list(POLICIES))
 def test_low_precision_equals_the_emulated_casts(ranks, reference, n, policy):
@@ -162,6 +176,7 @@ def test_low_precision_equals_the_emulated_casts(ranks, reference, n, policy):
                 assert got["scales"] == ref["scales"] and got["skipped"] == ref["skipped"]
 
 
+@pytest.mark.exercise("8.1")
 @pytest.mark.parametrize("n", WORLD_SIZES)
 def test_low_precision_really_is_low(ranks, n):
     """Not fp32 in disguise: bf16 and fp32 training end up measurably apart (fp32 at N = 3, 4 differs from
@@ -170,6 +185,7 @@ def test_low_precision_really_is_low(ranks, n):
     assert max_abs_diff(bf16["params"], fp32["params"]) > 1e-5
 
 
+@pytest.mark.exercise("8.1")
 @pytest.mark.parametrize("n", WORLD_SIZES)
 @pytest.mark.parametrize("policy", ["fp32", "bf16"])
 def test_cpu_offload_changes_no_value(ranks, n, policy):
@@ -181,6 +197,8 @@ def test_cpu_offload_changes_no_value(ranks, n, policy):
 
 # -- bytes ------------------------------------------------------------------------------------------------------
 
+@pytest.mark.mechanism
+@pytest.mark.exercise("8.1")
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_bf16_halves_the_bytes_it_should(ranks, n):
     res = ranks[n][0]
@@ -194,6 +212,26 @@ def test_bf16_halves_the_bytes_it_should(ranks, n):
         assert res[("bf16", s, "sgd")]["comm_bytes"][kind] * 2 == res[("bf16_reduce_fp32", s, "sgd")]["comm_bytes"][kind]
 
 
+@pytest.mark.mechanism
+@pytest.mark.exercise("8.1")
+@pytest.mark.parametrize("n", WORLD_SIZES)
+def test_the_all_gather_carries_param_dtype_bytes(ranks, n):
+    """The shard is cast before it is sent: every all-gather of a step (the root's once, each block's in forward
+    and again in backward) carries 2 bytes per element of the padded flat parameter in bf16, as many all-gathers
+    as in fp32, and nothing else goes on the wire but the gradients' reduce-scatters."""
+    units = ranks[n][0]["units"]
+    gathers = sum(len(shards) * (1 if is_root else 2) for is_root, shards in units)
+    gathered = sum(sum(shards) * n * (1 if is_root else 2) for is_root, shards in units)  # elements, padded
+    for policy, itemsize in (("bf16", 2), ("fp32", 4)):
+        for r in range(n):
+            run = ranks[n][r][(policy, "fsdp", "sgd")]
+            assert run["comm_calls"]["all_gather"] == STEPS * gathers
+            assert run["comm_bytes"]["all_gather"] == STEPS * itemsize * gathered * (n - 1) / n
+            assert set(run["comm_calls"]) == {"all_gather", "reduce_scatter"}
+
+
+@pytest.mark.mechanism
+@pytest.mark.exercise("8.1")
 @pytest.mark.parametrize("n", WORLD_SIZES)
 def test_offload_copies_each_shard_in_and_each_gradient_shard_out(ranks, n):
     """Per step: the fp32 shard to the device at every unshard (the root once, every block twice: forward
@@ -209,6 +247,7 @@ def test_offload_copies_each_shard_in_and_each_gradient_shard_out(ranks, n):
 
 # -- memory -----------------------------------------------------------------------------------------------------
 
+@pytest.mark.exercise("8.1")
 @pytest.mark.parametrize("n", WORLD_SIZES)
 def test_model_states_keep_16_bytes_per_parameter_and_the_unsharded_units_halve(ranks, n):
     """fp32 master shard 4 + fp32 gradient shard 4 + AdamW 8 = 16Ψ/N in either precision -- the ZeRO
@@ -228,6 +267,7 @@ def test_model_states_keep_16_bytes_per_parameter_and_the_unsharded_units_halve(
 
 # -- the loss scaler --------------------------------------------------------------------------------------------
 
+@pytest.mark.exercise("8.2")
 @pytest.mark.parametrize("n", WORLD_SIZES)
 def test_scaler_skips_on_every_rank_when_one_shard_overflows(ranks, n):
     runs = [ranks[n][r]["agreement"] for r in range(n)]
@@ -235,6 +275,18 @@ def test_scaler_skips_on_every_rank_when_one_shard_overflows(ranks, n):
     for run in runs:
         assert run["scales"] == [2.0 ** 12, 2.0 ** 12, 2.0 ** 11]  # ... yet every rank backed off
         assert run["taken"] == [0, 2]  # and skipped step 1: no rank stepped its shards alone
+
+
+@pytest.mark.mechanism
+@pytest.mark.exercise("8.2")
+@pytest.mark.parametrize("n", WORLD_SIZES)
+def test_the_ranks_agree_with_one_max_all_reduce_of_one_flag(ranks, n):
+    """Each scaler.step() sends one thing: a MAX all-reduce of one fp32 flag, through comm (2 x 4 (N-1)/N
+    bytes), whether or not this rank overflowed -- not every gradient, not a gather of every rank's flags."""
+    for r in range(n):
+        run = ranks[n][r]["agreement"]
+        assert run["sent"] == [({"all_reduce": 1}, {"all_reduce": 2 * 4 * (n - 1) / n})] * STEPS
+        assert run["reductions"] == [(True, 1)] * STEPS
 
 
 def _scaler_run(ours, set_scale_at=None):
@@ -254,6 +306,7 @@ def _scaler_run(ours, set_scale_at=None):
     return scales, [p.detach().clone() for p in net.parameters()]
 
 
+@pytest.mark.exercise("8.2")
 def test_scaler_behaves_like_torchs_grad_scaler():
     """One process: the same scale schedule, skips and parameters as torch.amp.GradScaler."""
     ours, theirs = launch(_scaler_run, world_size=1, args=(True,), device="cpu")[0], _scaler_run(False)
@@ -333,6 +386,7 @@ def test_bad_input_gets_a_message_that_names_the_problem():
     assert "host memory" in errors["moved"] and "meta" in errors["moved"]
 
 
+@pytest.mark.exercise("8.2")
 def test_scaler_update_takes_a_new_scale_as_torchs():
     """update(new_scale) sets the scale, and the schedule goes on from there as torch's does."""
     ours = launch(_scaler_run, world_size=1, args=(True, 20), device="cpu")[0]

@@ -83,18 +83,20 @@ def clipped(kind, norm_type):
     n, r = dist.get_world_size(), dist.get_rank()
     net = build_model("gpt", seed=r)
     model, opt = _build(kind, net, "sgd")
-    norms = []
+    norms, sent = [], []
     for step in range(4):
         loss_of("gpt", model, batch("gpt", step, 12, r, n, "cpu")).backward()
-        if kind == "fsdp":
-            norms.append(float(model.clip_grad_norm_(max_norm, norm_type)))
-        elif kind in ("oss", "sdp"):  # the sharded optimizer knows who owns what
-            norms.append(float(opt.clip_grad_norm_(max_norm, norm_type)))
-        else:
-            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type)))
+        with comm.counting() as counter:
+            if kind == "fsdp":
+                norms.append(float(model.clip_grad_norm_(max_norm, norm_type)))
+            elif kind in ("oss", "sdp"):  # the sharded optimizer knows who owns what
+                norms.append(float(opt.clip_grad_norm_(max_norm, norm_type)))
+            else:
+                norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type)))
+        sent.append((dict(counter.calls), dict(counter.bytes)))
         opt.step()
         opt.zero_grad()
-    return _params(kind, model, net), norms
+    return _params(kind, model, net), norms, sent
 
 
 def no_sync_memory():
@@ -106,17 +108,23 @@ def no_sync_memory():
     opt.step()
     opt.zero_grad()
     meter = MemoryMeter(model, opt)
+    flats = [f for u in model.units() for f in u.flat_params]
     with meter:
         base = meter.live()["total"]
-        with model.no_sync():
+        with model.no_sync(), comm.counting() as inside:
             loss_of("gpt", model, batch("gpt", 1, 12, r, n, "cpu")).backward()
         kept = meter.live()["total"] - base
-        loss_of("gpt", model, batch("gpt", 2, 12, r, n, "cpu")).backward()
+        # what each unit holds now: its whole flat gradient (padded), in its own tensor; its .grad: nothing new
+        held = [(tuple(f.unsharded_grad.shape), f.unsharded_grad.dtype == f.param.dtype, f.param.grad is None)
+                if f.unsharded_grad is not None else None for f in flats]
+        with comm.counting() as synced:
+            loss_of("gpt", model, batch("gpt", 2, 12, r, n, "cpu")).backward()
         after = meter.live()["total"] - base
     meter.close()
-    flats = [f for u in model.units() for f in u.flat_params]
     return {"kept": kept, "after": after, "padded": sum(f.shard_numel * n for f in flats),
-            "left": sum(f.unsharded_grad is not None for f in flats)}
+            "left": sum(f.unsharded_grad is not None for f in flats), "held": held,
+            "full": [(f.shard_numel * n,) for f in flats], "inside": dict(inside.calls),
+            "synced": dict(synced.calls)}
 
 
 # -- activation checkpointing ------------------------------------------------------------------------------
@@ -218,6 +226,7 @@ def ranks():
     return {n: launch(chapter_cases, world_size=n, device="cpu") for n in WORLD_SIZES}
 
 
+@pytest.mark.exercise("9.1")
 @pytest.mark.parametrize("n", WORLD_SIZES)
 @pytest.mark.parametrize("opt", ["sgd", "adamw"])
 def test_no_sync_accumulation_equals_ddps(ranks, n, opt):
@@ -246,6 +255,7 @@ def test_reducing_every_micro_batch_equals_it_too(ranks, n, opt):
         assert max_abs_diff(each, ddp) <= 1e-6
 
 
+@pytest.mark.exercise("9.1")
 @pytest.mark.parametrize("n", WORLD_SIZES)
 @pytest.mark.parametrize("opt", ["sgd", "adamw"])
 def test_accumulation_equals_one_process_on_the_whole_batch(ranks, n, opt):
@@ -254,17 +264,47 @@ def test_accumulation_equals_one_process_on_the_whole_batch(ranks, n, opt):
         assert max_abs_diff(ranks[n][0][("accumulate", kind, opt)], single) <= 1e-5, kind
 
 
+@pytest.mark.exercise("9.2")
 @pytest.mark.parametrize("n", WORLD_SIZES)
 @pytest.mark.parametrize("norm_type", [2.0, float("inf")], ids=["l2", "inf"])
 @pytest.mark.parametrize("kind", ["fsdp", "oss", "sdp"])
 def test_clipping_sharded_gradients_equals_clipping_full_ones(ranks, n, norm_type, kind):
     for r in range(n):
-        (ours, our_norms), (ddp, ddp_norms) = (ranks[n][r][("clip", k, norm_type)] for k in (kind, "ddp"))
+        (ours, our_norms, _), (ddp, ddp_norms, _) = (ranks[n][r][("clip", k, norm_type)] for k in (kind, "ddp"))
         assert all(d > MAX_NORM[norm_type] for d in ddp_norms), "max_norm must be below the norms, or nothing is clipped"
         assert our_norms == pytest.approx(ddp_norms, rel=1e-5)
         assert max_abs_diff(ours, ddp) <= 1e-6
 
 
+@pytest.mark.mechanism
+@pytest.mark.exercise("9.2")
+@pytest.mark.parametrize("n", WORLD_SIZES)
+@pytest.mark.parametrize("norm_type", [2.0, float("inf")], ids=["l2", "inf"])
+@pytest.mark.parametrize("kind", ["fsdp", "oss", "sdp"])
+def test_clipping_sends_one_number(ranks, n, norm_type, kind):
+    """Each clip: one all-reduce of one fp32 number (each rank's partial sum, or its max), through comm --
+    2 x 4 (N-1)/N bytes -- however many gradients the rank holds, and nothing else."""
+    for r in range(n):
+        _, _, sent = ranks[n][r][("clip", kind, norm_type)]
+        assert sent == [({"all_reduce": 1}, {"all_reduce": 2 * 4 * (n - 1) / n})] * 4
+
+
+@pytest.mark.mechanism
+@pytest.mark.exercise("9.1")
+@pytest.mark.parametrize("n", WORLD_SIZES)
+def test_no_sync_sends_nothing_and_keeps_each_units_full_gradient(ranks, n):
+    """Inside no_sync() backward all-gathers the parameters as ever, and reduces nothing: no reduce-scatter, no
+    all-reduce. Every unit keeps its whole (padded) flat gradient, in its dtype, off .grad; the next backward
+    reduce-scatters each unit once."""
+    for r in range(n):
+        m = ranks[n][r]["memory"]
+        assert set(m["inside"]) == {"all_gather"}, m["inside"]
+        assert m["held"] == [(full, True, True) for full in m["full"]]
+        assert m["synced"].get("reduce_scatter") == len(m["full"]) and "all_reduce" not in m["synced"], m["synced"]
+
+
+@pytest.mark.mechanism
+@pytest.mark.exercise("9.1")
 @pytest.mark.parametrize("n", WORLD_SIZES)
 def test_no_sync_keeps_the_unsharded_gradients_and_the_next_backward_drops_them(ranks, n):
     m = ranks[n][0]["memory"]

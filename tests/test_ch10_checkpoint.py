@@ -98,6 +98,15 @@ def _id(job):
     return f"{src}-{optim}-{n}to{m}" + ("" if dst == src else f"-as-{dst}")
 
 
+# the strategies whose flat shards are saved as boxes of the original parameters (flat_chunks.py, exercises 10.x)
+FLAT = {c for c, (strategy, _, _) in CONFIGS.items() if strategy in ("fsdp", "fsdp_nraf", "oss_flat", "sdp_flat")}
+BOXES = pytest.mark.exercise("10.1", "10.2")
+
+
+def _job(job):
+    return pytest.param(job, id=_id(job), marks=BOXES if {job[0], job[4]} & FLAT else ())
+
+
 def build(config, optim, gpt_config=None):
     strategy, bf16, offload = CONFIGS[config]
     return STRATEGIES[strategy].build(build_model("gpt", seed=0, gpt_config=gpt_config), optim, False,
@@ -226,7 +235,7 @@ def identical(a, b) -> bool:
 
 
 # -- 1, 2: resume = continuous, every strategy, world size and optimizer; and across strategies ---------------------
-@pytest.mark.parametrize("job", RESUMES, ids=_id)
+@pytest.mark.parametrize("job", [_job(j) for j in RESUMES])
 def test_resume_equals_the_uninterrupted_run(root, runs, resumed, job):
     src, optim, n, m, dst = job
     continuous = uninterrupted_at(root, src, optim, n)
@@ -262,13 +271,15 @@ def test_load_returns_step_extra_strategy_and_world_size(resumed, job):
 
 
 # -- 3: the checkpoint holds the full model, and converts to a file any plain model loads ---------------------------
-@pytest.mark.parametrize("config, n", [(c, n) for c in SOURCES for n in world_sizes(c)])
+@pytest.mark.parametrize("config, n", [pytest.param(c, n, marks=BOXES if c in FLAT else ())
+                                       for c in SOURCES for n in world_sizes(c)])
 def test_checkpoint_holds_the_full_parameters(root, runs, config, n):
     for optim in OPTIMS:
         saved = uninterrupted_at(root, config, optim, n)["model"]
         assert identical(saved, runs[n][0][config, optim]["full"])
 
 
+@BOXES
 @pytest.mark.parametrize("optim", OPTIMS)
 def test_fsdp_checkpoint_loads_into_an_unwrapped_model(root, runs, tmp_path, optim):
     dcp_to_torch_save(run_dir(root, "fsdp", optim, 2) / f"step_{STOP:08d}", tmp_path / "model.pt")
@@ -430,6 +441,7 @@ def test_missing_and_unexpected_keys_are_listed(misfit, rank):
     assert _unchanged(deeper) and _unchanged(shallower)
 
 
+@BOXES
 @pytest.mark.parametrize("rank", [0, 1])
 def test_not_strict_loads_the_rest_and_lists_the_others(misfit, rank):
     saved = misfit[rank]["saved"]
@@ -530,6 +542,7 @@ def load_and_save_again(path, wrapping, again):
     return len(model.units())
 
 
+@BOXES
 @pytest.mark.parametrize("src, dst", [("one unit", "per block"), ("per block", "by size"), ("by size", "one unit")])
 def test_fsdp_checkpoints_load_across_wrappings(tmp_path, src, dst):
     units = launch(save_wrapped, world_size=2, args=(tmp_path / "a", src))[0]
@@ -556,6 +569,7 @@ def saved_again(root, runs):
     return root
 
 
+@BOXES
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
 @pytest.mark.parametrize("m", [1, 2, 3, 4])
 def test_every_world_size_loads_every_other_exactly(saved_again, n, m):

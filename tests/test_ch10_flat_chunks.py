@@ -12,8 +12,9 @@ import random
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from minifsdp import launch
+from minifsdp import comm, launch
 from minifsdp.checkpoint.flat_chunks import boxes, flat_start, sharded_piece
 
 
@@ -30,6 +31,7 @@ def covered(shape, found):
 SHAPES = [(4, 5), (7,), (2, 3, 4), (3, 1, 5, 2), (1, 9), (6, 1), ()]
 
 
+@pytest.mark.exercise("10.1")
 @pytest.mark.parametrize("shape", SHAPES)
 def test_boxes_cover_every_range_exactly_and_in_order(shape):
     numel = math.prod(shape)
@@ -39,15 +41,28 @@ def test_boxes_cover_every_range_exactly_and_in_order(shape):
         assert [i for run in runs for i in run] == list(range(start, end)), (shape, start, end, found)
         for (offsets, _), run in zip(found, runs):  # contiguous, and flat_start says where it begins
             assert run == list(range(run[0], run[0] + len(run))) and flat_start(shape, offsets) == run[0]
-        assert len(found) <= 2 * max(len(shape) - 1, 0) + 1
 
 
+@pytest.mark.mechanism
+@pytest.mark.exercise("10.1")
+@pytest.mark.parametrize("shape", SHAPES)
+def test_boxes_are_the_fewest_the_cut_needs(shape):
+    """Partial row, whole rows, partial row, one dimension down each time: at most 2 boxes per dimension below the
+    first, plus one -- not a box per row or per element, which would cover the same elements."""
+    numel = math.prod(shape)
+    for start, end in itertools.combinations(range(numel + 1), 2):
+        assert len(boxes(shape, start, end)) <= 2 * max(len(shape) - 1, 0) + 1, (shape, start, end)
+
+
+@pytest.mark.mechanism
+@pytest.mark.exercise("10.1")
 def test_the_example_in_the_docstring():
     assert boxes((4, 5), 7, 18) == [((1, 2), (1, 3)), ((2, 0), (1, 5)), ((3, 0), (1, 3))]
     assert boxes((4, 5), 5, 15) == [((1, 0), (2, 5))]  # whole rows only: one box
     assert boxes((4, 5), 3, 3) == []
 
 
+@pytest.mark.exercise("10.1")
 def test_random_large_shapes():
     rng = random.Random(0)
     for _ in range(200):
@@ -68,23 +83,49 @@ def pieces_of_a_flat_buffer(shapes):
     local = torch.arange(r * shard, (r + 1) * shard, dtype=torch.float32)  # element i holds i
     out = []
     for offset, shape in zip(offsets, shapes):
-        piece = sharded_piece(local, r * shard, shard, offset, shape)
+        with comm.counting() as counter, Collectives() as spy:
+            piece = sharded_piece(local, r * shard, shard, offset, shape)
+        sent = (dict(counter.calls), spy.ops)  # through comm, or around it
         if shape == ():
-            out.append(None if piece is None else [((), piece.item())])
+            out.append((None if piece is None else [((), piece.item())], sent))
             continue
         everyone = [(tuple(m.shard_offsets), tuple(m.shard_sizes), m.placement.rank())
                     for m in piece.metadata().shards_metadata]
         mine = [(tuple(s.metadata.shard_offsets), s.tensor.reshape(-1).tolist()) for s in piece.local_shards()]
-        shares_storage = all(s.tensor.untyped_storage().data_ptr() == local.untyped_storage().data_ptr()
-                             for s in piece.local_shards())
-        out.append((everyone, mine, shares_storage))
+        views = [(s.tensor.untyped_storage().data_ptr() == local.untyped_storage().data_ptr(),
+                  s.tensor.data_ptr() - local.data_ptr(), flat_start(shape, s.metadata.shard_offsets))
+                 for s in piece.local_shards()]
+        out.append(((everyone, mine, views), sent))
     return out
 
 
+class Collectives(TorchDispatchMode):
+    """Every collective issued inside the block, by minifsdp's comm or straight through torch.distributed."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "c10d":
+            self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+SHAPES_IN_A_BUFFER = [(4, 5), (3,), (2, 3, 4), ()]
+
+
+@pytest.fixture(scope="module")
+def launched():
+    """Each rank's pieces of SHAPES_IN_A_BUFFER laid end to end, at 2 and 3 ranks."""
+    return {n: launch(pieces_of_a_flat_buffer, world_size=n, args=(SHAPES_IN_A_BUFFER,)) for n in (2, 3)}
+
+
+@pytest.mark.exercise("10.1", "10.2")
 @pytest.mark.parametrize("n", [2, 3])
-def test_sharded_pieces_are_views_and_tile_each_tensor(n):
-    shapes = [(4, 5), (3,), (2, 3, 4), ()]
-    ranks = launch(pieces_of_a_flat_buffer, world_size=n, args=(shapes,))
+def test_sharded_pieces_tile_each_tensor(launched, n):
+    shapes = SHAPES_IN_A_BUFFER
+    ranks = [[piece for piece, _ in res] for res in launched[n]]
     offsets = [sum(math.prod(s) for s in shapes[:i]) for i in range(len(shapes))]
     for t, (shape, offset) in enumerate(zip(shapes, offsets)):
         if shape == ():  # one element, one rank: a plain tensor there
@@ -95,9 +136,27 @@ def test_sharded_pieces_are_views_and_tile_each_tensor(n):
         assert all(ranks[r][t][0] == everyone for r in range(n))  # every rank describes the same boxes
         seen = torch.zeros(math.prod(shape), dtype=torch.int64)
         for r in range(n):
-            assert ranks[r][t][2]  # views into the shard: DCP writes from them and loads into them in place
             for box_offsets, values in ranks[r][t][1]:
                 begin = flat_start(shape, box_offsets)
                 assert values == [float(offset + begin + i) for i in range(len(values))]
                 seen[begin: begin + len(values)] += 1
         assert seen.eq(1).all()  # together, the ranks' boxes hold every element exactly once
+
+
+@pytest.mark.mechanism
+@pytest.mark.exercise("10.2")
+@pytest.mark.parametrize("n", [2, 3])
+def test_sharded_pieces_are_views_into_the_shard_made_without_a_collective(launched, n):
+    """Each box this rank holds is a view into its flat shard, where the layout puts it (DCP writes from it and
+    loads into it in place: a copy would load into nothing); and every rank's boxes are worked out, not asked
+    for: no collective, through comm or around it."""
+    offsets = [sum(math.prod(s) for s in SHAPES_IN_A_BUFFER[:i]) for i in range(len(SHAPES_IN_A_BUFFER))]
+    shard = -(-sum(math.prod(s) for s in SHAPES_IN_A_BUFFER) // n)
+    for r, res in enumerate(launched[n]):
+        for (piece, sent), shape, offset in zip(res, SHAPES_IN_A_BUFFER, offsets):
+            assert sent == ({}, []), (shape, sent)
+            if shape == ():
+                continue
+            _, _, views = piece
+            for same_storage, at, begin in views:
+                assert same_storage and at == 4 * (offset + begin - r * shard), (shape, at, begin)

@@ -325,6 +325,8 @@ def test_unit_by_unit_working_memory_is_the_largest_unit(ranks, n):
 
 
 # -- sharded state dicts ------------------------------------------------------------------------------------------
+@pytest.mark.mechanism
+@pytest.mark.exercise("10.1", "10.2")
 @pytest.mark.parametrize("n", (2, 3))
 def test_sharded_state_dict_is_views_into_the_shards_with_no_collective(ranks, n):
     full_keys = list(ranks[n][0]["sharded"]["full"])
@@ -340,6 +342,7 @@ def test_sharded_state_dict_is_views_into_the_shards_with_no_collective(ranks, n
         assert holders == ([holders[0]] if k.endswith("gate") else list(range(n))), k
 
 
+@pytest.mark.exercise("10.1", "10.2")
 @pytest.mark.parametrize("n", (2, 3))
 def test_sharded_state_dict_loads_in_place_and_refuses_another_layout(ranks, n):
     for r in range(n):
@@ -362,6 +365,7 @@ def test_use_dtensor_gives_shard0_dtensors_one_unit_at_a_time(ranks, n):
         assert res["dtensor all_gathers"] == 3  # one per unit (the root's, and each Gated's)
 
 
+@pytest.mark.exercise("10.1", "10.2")
 def test_sharded_checkpoint_from_two_ranks_loads_at_three(ranks):
     for r in range(3):
         assert max_abs_diff(ranks[3][r]["sharded"]["from N = 2"], ranks[2][0]["sharded"]["full"]) == 0.0

@@ -89,7 +89,11 @@ def runs():
     return {kind: launch(train, world_size=4, args=(kind,)) for kind in KINDS}
 
 
-@pytest.mark.parametrize("kind", ["hsdp", "replicate root", "hybrid_shard", "torch hybrid_shard"])
+FULLY_SHARD = pytest.mark.exercise("11.1", "11.2")  # the kinds built on minifsdp's fully_shard
+
+
+@pytest.mark.parametrize("kind", [pytest.param(kind, marks=FULLY_SHARD) for kind in ("hsdp", "replicate root")]
+                         + ["hybrid_shard", "torch hybrid_shard"])
 def test_equals_ddp(runs, kind):
     ref = runs["ddp"][0]["full"]
     for r in range(4):
@@ -98,6 +102,8 @@ def test_equals_ddp(runs, kind):
         assert max(float((got[k] - ref[k]).abs().max()) for k in ref) <= 1e-6
 
 
+@pytest.mark.mechanism
+@pytest.mark.exercise("11.1", "11.2")
 def test_hsdp_bytes_in_and_across_the_rows_match_the_ring_model(runs):
     for r in range(4):
         res = runs["hsdp"][r]
@@ -110,6 +116,8 @@ def test_hsdp_bytes_in_and_across_the_rows_match_the_ring_model(runs):
         assert res["sent"]["replicate"] == pytest.approx({"all_reduce": across})
 
 
+@pytest.mark.mechanism
+@pytest.mark.exercise("11.1", "11.2")
 def test_replicate_sends_the_root_by_all_reduce_only(runs):
     res = runs["replicate root"][0]
     root = [(n, b) for n, b, is_root in res["layout"] if is_root]

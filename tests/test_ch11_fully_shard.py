@@ -45,7 +45,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from minifsdp import launch
+from minifsdp import comm, launch
 from minifsdp.models import GPTConfig, TinyGPT
 from minifsdp.train import OPTIMIZERS, batch, build_model, loss_of, max_abs_diff
 
@@ -358,6 +358,30 @@ def peak_run(impl, warmup=2):
     return {"peak": meter.peak, "split": meter.peak_by_category, "params_peak": meter.category_peak["params"]}
 
 
+# -- how: each parameter's shard, and what backward sends -----------------------------------------------------------
+def mechanism_run():
+    """The tiny GPT under minifsdp's fully_shard: each parameter's padded shard as held (11.1), and the collectives
+    of one backward (11.2)."""
+    from minifsdp.fsdp2 import FSDPModule
+
+    model = shard(build_model("gpt", seed=0), "ours")
+    groups = [m._fsdp.group for m in model.modules() if isinstance(m, FSDPModule)]
+    shards = []
+    for p in [p for g in groups for p in g.params]:
+        storage = p.padded.untyped_storage()
+        shards.append({"d0": p.shape[0], "rows": p.padded.shape[0],
+                       # its own memory, the padded rows and nothing more ...
+                       "own": storage.nbytes() == p.padded.numel() * p.padded.element_size(),
+                       # ... and the DTensor the optimizer steps is a view of it
+                       "view": p.sharded.to_local().untyped_storage().data_ptr() == storage.data_ptr()})
+    loss = loss_fn("gpt", model, data("gpt", 0))
+    with comm.counting(record=True) as counter:
+        loss.backward()
+    return {"shards": shards, "padded": sorted(sum(p.padded_numel for p in g.params) for g in groups),
+            "calls": dict(counter.calls),
+            "reduce_scatters": sorted(e.nbytes for e in counter.events if e.kind == "reduce_scatter")}
+
+
 # -- every case of one world size ----------------------------------------------------------------------------------
 def rank_cases():
     n = dist.get_world_size()
@@ -391,6 +415,7 @@ def rank_cases():
     out["clip"] = diff(ours, theirs)
     out["clip_norms"] = (ours[2] - theirs[2]).abs().max().item(), ours[2].min().item()
     out["surface"] = surface()
+    out["mechanism"] = mechanism_run()
     if n == MEMORY_N:
         out["memory"] = {impl: peak_run(impl) for impl in ("ours", "torch")}
     return out
@@ -406,6 +431,7 @@ def each_rank(ranks, n, key):
 
 
 # -- the tests ------------------------------------------------------------------------------------------------------
+@pytest.mark.exercise("11.1", "11.2")
 @pytest.mark.parametrize("n", WORLD_SIZES)
 @pytest.mark.parametrize("case", PARITY, ids="-".join)
 def test_parity_with_torch_fully_shard(ranks, n, case):
@@ -413,6 +439,7 @@ def test_parity_with_torch_fully_shard(ranks, n, case):
         assert d == {"losses": 0.0, "params": 0.0}
 
 
+@pytest.mark.exercise("11.1", "11.2")
 @pytest.mark.parametrize("n", WORLD_SIZES)
 @pytest.mark.parametrize("opt", ["sgd", "adamw"])
 def test_parity_with_torch_ddp(ranks, n, opt):
@@ -421,6 +448,7 @@ def test_parity_with_torch_ddp(ranks, n, opt):
         assert ours == torchs  # torch's fully_shard is exactly as far from DDP: the reduction order, not a bug
 
 
+@pytest.mark.exercise("11.1", "11.2")
 @pytest.mark.parametrize("n", WORLD_SIZES)
 @pytest.mark.parametrize("policy", list(POLICIES))
 def test_mixed_precision_as_torch(ranks, n, policy):
@@ -429,6 +457,7 @@ def test_mixed_precision_as_torch(ranks, n, policy):
         assert vs_fp32 > 0  # (it did compute in bf16)
 
 
+@pytest.mark.exercise("11.1", "11.2")
 @pytest.mark.parametrize("n", WORLD_SIZES)
 @pytest.mark.parametrize("impl", ["ours", "torch"])
 @pytest.mark.parametrize("unshard", [False, True], ids=["plain", "unshard_first"])
@@ -438,12 +467,14 @@ def test_meta_device_init_equals_eager(ranks, n, impl, unshard):
         assert d == {"losses": 0.0, "params": 0.0}
 
 
+@pytest.mark.exercise("11.1", "11.2")
 @pytest.mark.parametrize("n", WORLD_SIZES)
 def test_meta_device_init_with_reset_parameters_as_torch(ranks, n):
     for d in each_rank(ranks, n, "meta_reset"):
         assert d == {"losses": 0.0, "params": 0.0}
 
 
+@pytest.mark.exercise("11.1", "11.2")
 @pytest.mark.parametrize("n", WORLD_SIZES)
 def test_gradient_accumulation_without_sync(ranks, n):
     for r in range(n):
@@ -452,6 +483,7 @@ def test_gradient_accumulation_without_sync(ranks, n):
         assert ddp["losses"] <= DDP_ATOL[n] and ddp["params"] <= DDP_ATOL[n]
 
 
+@pytest.mark.exercise("11.1", "11.2")
 @pytest.mark.parametrize("n", WORLD_SIZES)
 def test_clip_grad_norm_on_dtensors(ranks, n):
     for r in range(n):
@@ -460,6 +492,7 @@ def test_clip_grad_norm_on_dtensors(ranks, n):
         assert norm_diff == 0.0 and smallest > MAX_NORM  # the same total norm, and it did clip
 
 
+@pytest.mark.exercise("11.1")
 @pytest.mark.parametrize("n", WORLD_SIZES)
 def test_surface(ranks, n):
     for s in each_rank(ranks, n, "surface"):
@@ -474,6 +507,33 @@ def test_surface(ranks, n):
         assert kind == "ValueError" and "already" in message
 
 
+@pytest.mark.mechanism
+@pytest.mark.exercise("11.1")
+@pytest.mark.parametrize("n", WORLD_SIZES)
+def test_each_rank_holds_only_its_padded_rows(ranks, n):
+    """A shard of ceil(d0 / N) rows in memory of its own (not a view into a full-size copy that would keep the
+    whole parameter alive), and the parameter the optimizer steps is a view of it."""
+    for r in range(n):
+        for s in ranks[n][r]["mechanism"]["shards"]:
+            assert s["rows"] == -(-s["d0"] // n), s
+            assert s["own"] and s["view"], s
+
+
+@pytest.mark.mechanism
+@pytest.mark.exercise("11.2")
+@pytest.mark.parametrize("n", WORLD_SIZES)
+def test_backward_reduce_scatters_each_group_once(ranks, n):
+    """One reduce-scatter per fully_shard'ed module of its N padded shards' worth of fp32 gradients -- 4 N P_g
+    (N-1)/N bytes, P_g its padded shard elements -- and no all-reduce (an all-reduce and a slice would average
+    the same numbers with twice the bytes)."""
+    for r in range(n):
+        m = ranks[n][r]["mechanism"]
+        assert m["calls"].get("reduce_scatter") == len(m["padded"]) and "all_reduce" not in m["calls"], m["calls"]
+        assert m["reduce_scatters"] == sorted((4 * numel * n) * (n - 1) / n for numel in m["padded"])
+
+
+@pytest.mark.mechanism
+@pytest.mark.exercise("11.1", "11.2")
 def test_peak_memory_at_most_torchs(ranks):
     psi = sum(p.numel() for p in TinyGPT(MEMORY_CONFIG).parameters())
     block = sum(p.numel() for p in TinyGPT(MEMORY_CONFIG).blocks[0].parameters())
@@ -512,6 +572,7 @@ def freeze_after_wrapping():
     return out
 
 
+@pytest.mark.exercise("11.1", "11.2")
 def test_a_parameter_frozen_after_wrapping_stays_frozen():
     for res in launch(freeze_after_wrapping, world_size=2):
         assert res["minifsdp"] == res["torch"] == (True, 0.0)
@@ -538,6 +599,7 @@ def decay_groups():
     return out
 
 
+@pytest.mark.exercise("11.1", "11.2")
 def test_per_parameter_optimizer_groups_train_as_under_torch():
     for res in launch(decay_groups, world_size=3):
         (ours, ours_sd), (theirs, theirs_sd) = res["minifsdp"], res["torch"]

@@ -305,6 +305,7 @@ def differences(a, b, where=""):
 
 
 # -- 1 ----------------------------------------------------------------------------------------------------------------
+@pytest.mark.exercise("11.1", "11.2")
 @pytest.mark.parametrize("mp", [False, True], ids=["fp32", "bf16"])
 def test_torch_script_runs_with_only_the_import_changed(runs, mp):
     for r in range(3):
@@ -329,6 +330,7 @@ def test_torch_script_runs_with_only_the_import_changed(runs, mp):
         assert all(v[0] == "DTensor" and v[2] == ("S(0)",) for v in ours["sharded"]["model"].values())
 
 
+@pytest.mark.exercise("11.1", "11.2")
 @pytest.mark.parametrize("mp", [False, True], ids=["fp32", "bf16"])
 def test_the_dcp_checkpoints_of_the_script_are_the_same(runs, mp, tmp_path):
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
@@ -343,6 +345,7 @@ def test_the_dcp_checkpoints_of_the_script_are_the_same(runs, mp, tmp_path):
 
 
 # -- 2 ----------------------------------------------------------------------------------------------------------------
+@pytest.mark.exercise("11.1", "11.2")
 def test_torch_at_2_to_minifsdp_at_3_through_dcp(runs):
     saved = runs["saved"][0]["state"]
     for r in range(3):
@@ -353,6 +356,7 @@ def test_torch_at_2_to_minifsdp_at_3_through_dcp(runs):
         assert differences(ours["state"], theirs["state"]) == []
 
 
+@pytest.mark.exercise("11.1", "11.2")
 def test_minifsdp_at_3_to_torch_at_2_through_dcp(runs):
     saved = runs["at3"][0][("resume", "minifsdp", "dcp")]["state"]
     for r in range(2):
@@ -363,6 +367,7 @@ def test_minifsdp_at_3_to_torch_at_2_through_dcp(runs):
         assert differences(ours["state"], theirs["state"]) == []
 
 
+@pytest.mark.exercise("11.1", "11.2")
 def test_minifsdp_checkpoint_between_the_two(runs):
     """Chapter 10's save and load on both: torch's at 2 -> minifsdp's (and torch's) at 3; minifsdp's at 3 ->
     torch's (and minifsdp's) at 2. The same as the DCP route, to the bit."""
@@ -376,7 +381,7 @@ def test_minifsdp_checkpoint_between_the_two(runs):
 
 
 # -- 3 ----------------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("impl", ["minifsdp", "torch"])
+@pytest.mark.parametrize("impl", [pytest.param("minifsdp", marks=pytest.mark.exercise("11.1", "11.2")), "torch"])
 def test_distribute_tensor_gives_each_parameters_shard(runs, impl):
     for r in range(3):
         cases = runs["at3"][r]["distribute"][impl]

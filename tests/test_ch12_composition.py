@@ -47,6 +47,13 @@ PP_CONFIG = GPTConfig(n_layer=4, n_embd=16, n_head=2, block_size=8, vocab_size=9
 ATOL = 1e-5
 CASES = [("dp_tp_sp", "sgd"), ("dp_tp_sp", "adamw"), ("fsdp_tp", "sgd"), ("fsdp_tp", "adamw"),
          ("pp_dp", "sgd"), ("pp_dp", "adamw"), ("pp_dp_interleaved", "sgd")]
+# the exercises each kind runs: the tensor-parallel GPT's f, g and vocab-parallel loss; the pipeline's order
+EXERCISES = {"dp_tp_sp": ("12.1", "12.3"), "fsdp_tp": ("12.1", "12.3"), "pp_dp": ("12.2",),
+             "pp_dp_interleaved": ("12.4",)}
+
+
+def graded(kind, *values, mechanism=False):
+    return pytest.param(*values, marks=[pytest.mark.exercise(*EXERCISES[kind])] + [pytest.mark.mechanism] * mechanism)
 
 
 def reference(config, opt_name):
@@ -167,7 +174,7 @@ def max_diff(params, ref):
                for k, v in ref.items() if not k.startswith("lm_head") or k in params)
 
 
-@pytest.mark.parametrize("case", CASES, ids="-".join)
+@pytest.mark.parametrize("case", [graded(case[0], case) for case in CASES], ids="-".join)
 def test_equals_one_process(ranks, refs, case):
     kind, opt_name = case
     ref_losses, ref_params = refs[("tp" if "tp" in kind else "pp", opt_name)]
@@ -179,7 +186,7 @@ def test_equals_one_process(ranks, refs, case):
             assert max(abs(a - b) for a, b in zip(out["losses"], ref_losses)) <= ATOL, r
 
 
-@pytest.mark.parametrize("kind", ["dp_tp_sp", "fsdp_tp"])
+@pytest.mark.parametrize("kind", [graded(kind, kind, mechanism=True) for kind in ("dp_tp_sp", "fsdp_tp")])
 def test_dp_x_tp_bytes_per_group(ranks, kind):
     d = 2
     for res in ranks:
@@ -195,7 +202,7 @@ def test_dp_x_tp_bytes_per_group(ranks, kind):
             assert per_step["dp"] == {"all_gather": slices * (d - 1) / d, "reduce_scatter": slices * (d - 1) / d}
 
 
-@pytest.mark.parametrize("kind", ["pp_dp", "pp_dp_interleaved"])
+@pytest.mark.parametrize("kind", [graded(kind, kind) for kind in ("pp_dp", "pp_dp_interleaved")])
 def test_pp_x_dp_bytes_per_group(ranks, kind):
     d, c = 2, PP_CONFIG
     message = (BATCH // d // MICRO) * c.block_size * c.n_embd * 4  # one micro-batch's activation (or gradient)

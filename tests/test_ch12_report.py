@@ -18,6 +18,7 @@ from minifsdp.reports import parallel as report
 TINY = GPTConfig(n_layer=4, n_embd=16, n_head=4, vocab_size=32, block_size=8)
 
 
+@pytest.mark.exercise("12.1", "12.3")
 def test_tp_table_measures_the_formulas():
     b = 2
     rows = report.tp_results(world_sizes=(2,), config=TINY, b=b)
@@ -34,6 +35,7 @@ def test_tp_table_measures_the_formulas():
     assert "| 1/2 |" in table
 
 
+@pytest.mark.exercise("12.2", "12.4")
 def test_pp_table_and_gantt(tmp_path):
     p, m, batch, delays = 2, 4, 8, (0.020, 0.040)
     results = report.pp_results(p=p, config=TINY, batch=batch, m=m, compute_time=delays)
@@ -51,6 +53,7 @@ def test_pp_table_and_gantt(tmp_path):
     assert (tmp_path / "gantt.png").stat().st_size > 10_000
 
 
+@pytest.mark.exercise("12.1", "12.2", "12.3")
 def test_compare_table_every_contender_on_four_ranks():
     results = report.compare_results(config=TINY, batch=16, steps=3)
     assert list(results) == list(report.CONTENDERS)
@@ -73,6 +76,7 @@ def test_compare_table_every_contender_on_four_ranks():
     assert table.count("\n| ") == 1 + len(report.CONTENDERS)
 
 
+@pytest.mark.exercise("12.1", "12.3")
 def test_overlap_timelines_and_figure(tmp_path):
     config, b = GPTConfig(n_layer=2, n_embd=16, n_head=4, vocab_size=32, block_size=8), 2
     results = report.overlap_results(config=config, b=b, reps=1)
@@ -109,5 +113,7 @@ def test_markdown_paths(tmp_path):
     # --plot likewise, for the parts that draw
     assert report._plot_path(None, "pp", ["pp"]) is None
     assert report._plot_path("out/g.png", "overlap", ["tp", "overlap"]) == "out/g.png"
-    assert report._plot_path(str(tmp_path), "overlap", ["overlap", "pp"]) == str(tmp_path / "tp_overlap.png")
+    assert report._plot_path("out/g.svg", "overlap", ["tp", "overlap"]) == "out/g.svg"
+    assert report._plot_path(str(tmp_path), "overlap", ["overlap", "pp"]) == str(tmp_path / "tp_overlap.svg")
     assert report._plot_path("out/fig.png", "pp", ["overlap", "pp"]) == "out/fig_pp.png"
+    assert report._plot_path("out/fig", "pp", ["overlap", "pp"]) == "out/fig_pp.svg"

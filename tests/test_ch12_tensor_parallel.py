@@ -80,6 +80,7 @@ from minifsdp.measure.timeline import Timeline
 from minifsdp.models import GPTConfig, TinyGPT, count_params, gpt_batch
 from minifsdp.parallel import (ColumnParallelLinear, RowParallelLinear, TensorParallelGPT, VocabParallelEmbedding,
                                full_tensor, vocab_parallel_cross_entropy)
+from minifsdp.parallel.mappings import copy_to_tensor_model_parallel_region, reduce_from_tensor_model_parallel_region
 from minifsdp.parallel.tp_gpt import ParallelBlock
 from minifsdp.reports.parallel import is_sp_region, saved_for_backward
 from minifsdp.train import OPTIMIZERS, max_abs_diff
@@ -346,6 +347,31 @@ def layers(group):
     return result
 
 
+# -- how: the passes that sum, and the loss's three numbers per token -------------------------------------------------
+def passes(group):
+    """The collectives of each of f's and g's two passes, on their own (a [5, 3, 8] fp32 tensor), and of the
+    vocab-parallel loss's forward and backward (6 x 2 tokens)."""
+    out = {}
+    for name, mapping in (("f", copy_to_tensor_model_parallel_region), ("g", reduce_from_tensor_model_parallel_region)):
+        x = torch.randn(5, 3, 8, requires_grad=True)
+        with comm.counting(record=True) as forward:
+            y = mapping(x, group)
+        with comm.counting(record=True) as backward:
+            y.backward(torch.ones_like(y))
+        for direction, counter in (("forward", forward), ("backward", backward)):
+            out[(name, direction)] = [(e.kind, e.nbytes) for e in counter.events]
+    t = comm.world_size(group)
+    logits = torch.randn(6, 2, 96 // t, requires_grad=True)
+    target = torch.randint(0, 96, (6, 2))
+    with comm.counting(record=True) as forward:
+        loss = vocab_parallel_cross_entropy(logits, target, group)
+    with comm.counting(record=True) as backward:
+        loss.sum().backward()
+    out[("loss", "forward")] = [(e.kind, e.nbytes) for e in forward.events]
+    out[("loss", "backward")] = [(e.kind, e.nbytes) for e in backward.events]
+    return out
+
+
 # -- clear errors ------------------------------------------------------------------------------------------------------
 def raised(fn):
     try:
@@ -398,6 +424,7 @@ def rank_cases():
     out["params"] = param_memory(group)
     out["errors"] = errors(group)
     out["layers"] = layers(group)
+    out["passes"] = passes(group)
     # the pieces put back together are TinyGPT's own weights
     model = TensorParallelGPT.from_gpt(TinyGPT(CONFIG, seed=0), group=group)
     out["initial"] = max_abs_diff(model.full_state_dict(), TinyGPT(CONFIG, seed=0).state_dict())
@@ -424,6 +451,7 @@ def rho(t):
 
 
 # -- the tests ---------------------------------------------------------------------------------------------------------
+@pytest.mark.exercise("12.1", "12.3")
 @pytest.mark.parametrize("t", WORLD_SIZES)
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
 @pytest.mark.parametrize("opt", ["sgd", "adamw"])
@@ -435,6 +463,7 @@ def test_equals_one_process(ranks, t, sp, opt):
         assert d["losses"] <= PARAM_ATOL and d["params"] <= PARAM_ATOL
 
 
+@pytest.mark.exercise("12.1", "12.3")
 @pytest.mark.parametrize("t", WORLD_SIZES)
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
 @pytest.mark.parametrize("opt", ["sgd", "adamw"])
@@ -452,6 +481,7 @@ def test_built_from_tinygpt_weights(ranks, t):
         assert ranks[t][r]["full_tensor_of_replicated"]
 
 
+@pytest.mark.exercise("12.1", "12.3")
 @pytest.mark.parametrize("t", WORLD_SIZES)
 def test_sequence_parallel_grads_must_be_summed(ranks, t):
     for d in each_rank(ranks, t, "unsynced_ln_grads"):
@@ -461,6 +491,7 @@ def test_sequence_parallel_grads_must_be_summed(ranks, t):
             assert d > 1e-3
 
 
+@pytest.mark.exercise("12.1", "12.3")
 @pytest.mark.parametrize("t", WORLD_SIZES)
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
 def test_async_input_grad_reduction_same_bits_as_sync(ranks, t, sp):
@@ -468,6 +499,32 @@ def test_async_input_grad_reduction_same_bits_as_sync(ranks, t, sp):
         assert d == {"losses": 0.0, "grads": 0.0, "params": 0.0}
 
 
+@pytest.mark.mechanism
+@pytest.mark.exercise("12.1")
+@pytest.mark.parametrize("t", WORLD_SIZES)
+def test_f_and_g_sum_in_two_of_their_four_passes(ranks, t):
+    """f backward and g forward each all-reduce the whole tensor (480 bytes: 2 x 480 (t-1)/t on the wire), through
+    comm; f forward and g backward send nothing. At t = 1 nothing at all."""
+    size = 5 * 3 * 8 * 4
+    for d in each_rank(ranks, t, "passes"):
+        summed = [] if t == 1 else [("all_reduce", 2 * rho(t) * size)]
+        assert d[("f", "forward")] == [] and d[("g", "backward")] == []
+        assert d[("f", "backward")] == summed and d[("g", "forward")] == summed
+
+
+@pytest.mark.mechanism
+@pytest.mark.exercise("12.3")
+@pytest.mark.parametrize("t", WORLD_SIZES)
+def test_vocab_parallel_loss_sends_three_numbers_per_token(ranks, t):
+    """Three all-reduces of one fp32 number per token (the max, the target's logit, the sum of exponentials), 12
+    tokens: 2 x 48 (t-1)/t bytes each -- not the V/t logits of each token -- and nothing in backward."""
+    for d in each_rank(ranks, t, "passes"):
+        assert d[("loss", "forward")] == ([] if t == 1 else [("all_reduce", 2 * rho(t) * 12 * 4)] * 3)
+        assert d[("loss", "backward")] == []
+
+
+@pytest.mark.mechanism
+@pytest.mark.exercise("12.1")
 @pytest.mark.parametrize("t", WORLD_SIZES)
 def test_f_and_g_collectives_of_a_block(ranks, t):
     """Without sequence parallelism and with the plain (synchronous) column path: g's two all-reduces forward, f's
@@ -478,6 +535,8 @@ def test_f_and_g_collectives_of_a_block(ranks, t):
         assert d["backward"] == ([] if t == 1 else [("all_reduce", "f backward", 2 * rho(t) * S)] * 2)
 
 
+@pytest.mark.mechanism
+@pytest.mark.exercise("12.1")
 @pytest.mark.parametrize("t", WORLD_SIZES)
 def test_async_block_collectives(ranks, t):
     """The asynchronous column layers do f's backward themselves: the same two all-reduces, tagged by layer."""
@@ -506,6 +565,8 @@ def test_sequence_parallel_block_collectives(ranks, t, async_):
         assert sum(nbytes for _, _, nbytes in d["forward"]) == 2 * (2 * rho(t) * S)  # = g's two all-reduces
 
 
+@pytest.mark.mechanism
+@pytest.mark.exercise("12.1", "12.3")
 @pytest.mark.parametrize("t", WORLD_SIZES)
 def test_step_bytes_match_the_formula(ranks, t):
     for r in range(t):
@@ -532,6 +593,7 @@ def test_parameter_memory_divided_by_t(ranks, t):
         assert d["measured"] == 4 * (split // t + replicated)
 
 
+@pytest.mark.exercise("12.1", "12.3")
 @pytest.mark.parametrize("t", WORLD_SIZES)
 def test_sequence_parallel_divides_layernorm_activations_by_t(ranks, t):
     b, s = B, CONFIG.block_size
@@ -548,6 +610,7 @@ def test_sequence_parallel_divides_layernorm_activations_by_t(ranks, t):
                 assert sp[k] == tp[k], k  # attention, gelu, the row layers' inputs, the loss: split by t already
 
 
+@pytest.mark.exercise("12.1")
 @pytest.mark.parametrize("t", WORLD_SIZES)
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
 def test_input_grad_reduction_issued_before_weight_grad(ranks, t, sp):
@@ -559,6 +622,7 @@ def test_input_grad_reduction_issued_before_weight_grad(ranks, t, sp):
             assert order["issued_before"] == (t > 1), layer  # (t = 1: no collective at all)
 
 
+@pytest.mark.exercise("12.1", "12.3")
 @pytest.mark.parametrize("t", WORLD_SIZES)
 def test_layers_on_their_own(ranks, t):
     for d in each_rank(ranks, t, "layers"):

@@ -1,23 +1,37 @@
-"""Course mode (minifsdp/course.py, minifsdp/grade.py): exercise markers, student copies, and the grader.
+"""Course mode (minifsdp/course/): exercise markers, student copies, and the grader.
+
+The grader is tried on tiny projects of its own, each with a package also named minifsdp, passed as the
+reference explicitly: a submission that tampers with the tests, the configuration or the code around
+the exercises must score exactly what an untouched student copy scores.
 
 The test that matters most is the removal check at the end: for every exercise in the package, a
-student copy with just that exercise removed must fail its chapter's tests. A chapter whose tests pass
-without the solution grades nothing.
+student copy with just that exercise removed must fail its tests. A chapter whose tests pass without
+the solution grades nothing.
 """
 
 from __future__ import annotations
 
 import ast
+import csv
+import importlib.util
+import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
-from minifsdp.course import find_exercises, strip_solutions, write_student_copy
-from minifsdp.course.grade import chapter_test_files, grade, run_chapter_tests
+from minifsdp.course import find_exercises, project_files, strip_solutions, write_student_copy
+from minifsdp.course import grade as grading
+from minifsdp.course.assemble import assemble, scan_regions
+from minifsdp.course.grade import (chapter_test_files, collect_reference, grade_all, grade_submission, plugin_dir,
+                                   run_pytest)
+from minifsdp.course.report import gradescope_results
 
 REPO = Path(__file__).resolve().parents[1]
 REMOVAL_TIMEOUT = 300  # seconds for one chapter's tests with one exercise removed
@@ -46,13 +60,15 @@ SOURCE = textwrap.dedent('''\
     ''')
 
 
-def test_strip_replaces_each_block_by_a_raise_at_its_indentation():
+def test_strip_keeps_the_markers_and_puts_a_raise_between_them():
     assert strip_solutions(SOURCE) == textwrap.dedent('''\
         """A module with two exercises."""
 
 
         def double(x):
+            # BEGIN EXERCISE 3.1: twice x
             raise NotImplementedError("Exercise 3.1: twice x")
+            # END EXERCISE
             return y
 
 
@@ -61,9 +77,13 @@ def test_strip_replaces_each_block_by_a_raise_at_its_indentation():
                 total = 0
                 for item in items:
                     if item:
+                        # BEGIN EXERCISE 3.2: add up the "true" items, say \\"why\\"
                         raise NotImplementedError("Exercise 3.2: add up the \\"true\\" items, say \\\\\\"why\\\\\\"")
+                        # END EXERCISE
                 return total
         ''')
+    # A student copy is stripped again as it is: what is between the markers is replaced, nothing else.
+    assert strip_solutions(strip_solutions(SOURCE)) == strip_solutions(SOURCE)
 
 
 def test_stripped_code_compiles_and_raises_with_the_exercise_title():
@@ -85,6 +105,8 @@ def test_only_strips_just_that_exercise():
     with pytest.raises(NotImplementedError, match=r"Exercise 3\.2"):
         namespace["Worker"]().run([1])
     assert strip_solutions(SOURCE, only="9.9") == SOURCE
+    assert strip_solutions(SOURCE, chapters=[4]) == SOURCE
+    assert strip_solutions(SOURCE, chapters=[3]) == strip_solutions(SOURCE)
 
 
 def test_text_without_markers_is_unchanged_and_markers_in_strings_do_not_count():
@@ -95,7 +117,8 @@ def test_text_without_markers_is_unchanged_and_markers_in_strings_do_not_count()
 
 def test_line_endings_and_a_last_line_without_newline_are_kept():
     text = "def f():\r\n    # BEGIN EXERCISE 1.1: t\r\n    return 1\r\n    # END EXERCISE"
-    assert strip_solutions(text) == 'def f():\r\n    raise NotImplementedError("Exercise 1.1: t")\r\n'
+    assert strip_solutions(text) == ('def f():\r\n    # BEGIN EXERCISE 1.1: t\r\n'
+                                     '    raise NotImplementedError("Exercise 1.1: t")\r\n    # END EXERCISE')
 
 
 @pytest.mark.parametrize("text, line, complaint", [
@@ -148,32 +171,40 @@ def test_find_exercises_needs_the_package(tmp_path):
 
 
 def test_the_real_package_has_well_formed_exercises():
-    for ex in find_exercises(REPO):  # none at all in a student copy, whose package has its raises instead
+    for ex in find_exercises(REPO):  # a student copy has the same, with a raise between the markers
         assert ex.id == f"{ex.chapter}.{ex.id.split('.')[1]}" and ex.title and ex.begin < ex.end
+
+
 
 
 # -- the student copy ----------------------------------------------------------------------------------------
 
 def _python(cwd: Path, *args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(cwd), os.environ.get("PYTHONPATH")])))
-    return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+    """A fresh interpreter that imports this checkout's minifsdp (cwd first, as `python -m` has it)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
 
 
-def test_student_copy_of_the_real_project_imports_and_has_no_solutions(tmp_path, capsys):
+def test_student_copy_of_the_real_project_imports_and_keeps_the_markers(tmp_path, capsys):
     out = tmp_path / "student"
     removed = write_student_copy(REPO, out)
     assert [e.id for e in removed] == [e.id for e in find_exercises(REPO)]
     summary = capsys.readouterr().out
     assert f"{len(removed)} exercise(s) removed" in summary and f"python -m minifsdp grade {out}" in summary
 
-    assert find_exercises(out) == []
+    # The same exercises, where they were, each with the raise between its markers and nothing else.
+    copied = find_exercises(out)
+    assert [(e.id, e.title, e.path.relative_to(out)) for e in copied] == \
+        [(e.id, e.title, e.path.relative_to(REPO)) for e in removed]
+    for ex in copied:
+        inside = ex.path.read_text(encoding="utf-8").splitlines()[ex.begin:ex.end - 1]
+        placeholder = f"raise NotImplementedError({json.dumps(str(ex), ensure_ascii=False)})"
+        assert [line.strip() for line in inside] == [placeholder]
     for path in (out / "minifsdp").rglob("*.py"):
         compile(path.read_text(), str(path), "exec")
-    for ex in removed:
-        text = (out / ex.path.relative_to(REPO)).read_text()
-        assert f'raise NotImplementedError("Exercise {ex.id}: ' in text
     assert (out / "tests" / "test_course.py").read_text() == Path(__file__).read_text()
-    assert not any(p.name in {".git", "__pycache__", ".pytest_cache"} or p.name.endswith(".egg-info")
+    # What git ignores stays behind (the project is a git work tree): caches, egg-info, the built site.
+    assert not any(p.name in {".git", "__pycache__", ".pytest_cache", "site"} or p.name.endswith(".egg-info")
                    for p in out.rglob("*"))
 
     # The copy's package, not the installed one, and it imports: no exercise sits at module level.
@@ -182,12 +213,13 @@ def test_student_copy_of_the_real_project_imports_and_has_no_solutions(tmp_path,
     assert Path(where.stdout.strip()) == out / "minifsdp" / "__init__.py"
 
 
-def test_student_copy_skips_build_outputs_and_itself(tmp_path, capsys):
+def test_student_copy_outside_git_skips_build_outputs_and_itself(tmp_path, capsys):
     src = _project(tmp_path / "src", {
         "minifsdp/__init__.py": "", "minifsdp/three.py": SOURCE, "README.md": "hello\n",
         "notebooks/01.ipynb": "{}", "tests/test_ch03_x.py": "",
         ".git/HEAD": "ref\n", "minifsdp/__pycache__/three.cpython.pyc": "", "minifsdp.egg-info/PKG-INFO": "",
-        "site/index.html": "", "build/lib/x.py": "", ".pytest_cache/v": "", "notebooks/.ipynb_checkpoints/c": ""})
+        "site/index.html": "", "build/lib/x.py": "", ".pytest_cache/v": "", "notebooks/.ipynb_checkpoints/c": "",
+        "env/pyvenv.cfg": "", "env/lib/conftest.py": ""})
     out = src / "student"  # inside the project, as `python -m minifsdp student student` makes it
     out.mkdir()
     write_student_copy(src, out, only="3.1")
@@ -195,6 +227,36 @@ def test_student_copy_skips_build_outputs_and_itself(tmp_path, capsys):
     assert sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()) == [
         "README.md", "minifsdp/__init__.py", "minifsdp/three.py", "notebooks/01.ipynb", "tests/test_ch03_x.py"]
     assert (out / "minifsdp/three.py").read_text() == strip_solutions(SOURCE, only="3.1")
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+def test_student_copy_of_a_git_work_tree_is_what_git_would_commit(tmp_path, capsys):
+    src = _project(tmp_path / "src", {
+        "minifsdp/__init__.py": "", "minifsdp/three.py": SOURCE, "README.md": "hello\n", "tests/test_ch03_x.py": "",
+        ".gitignore": "secret.txt\ndata/\n*.log\n", "notes.md": "not added, not ignored\n",
+        "secret.txt": "ignored\n", "data/big.bin": "ignored\n", "minifsdp/run.log": "ignored\n"})
+    git = ["git", "-C", str(src), "-c", "init.defaultBranch=main"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "add", ".gitignore", "README.md", "minifsdp", "tests"], check=True)
+    expected = [".gitignore", "README.md", "minifsdp/__init__.py", "minifsdp/three.py", "notes.md",
+                "tests/test_ch03_x.py"]
+    assert [str(p) for p in project_files(src)] == expected
+    out = tmp_path / "out"
+    removed = write_student_copy(src, out, chapters=[3])
+    assert [e.id for e in removed] == ["3.1", "3.2"] and "2 exercise(s) removed" in capsys.readouterr().out
+    assert sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()) == expected
+
+
+def test_student_copy_of_some_chapters_leaves_the_others_solved(tmp_path):
+    one = "def f():\n    # BEGIN EXERCISE 1.1: one\n    return 1\n    # END EXERCISE\n"
+    src = _project(tmp_path / "src", {"minifsdp/three.py": SOURCE, "minifsdp/one.py": one})
+    removed = write_student_copy(src, tmp_path / "out", chapters=[1], quiet=True)
+    assert [e.id for e in removed] == ["1.1"]
+    assert (tmp_path / "out/minifsdp/three.py").read_text() == SOURCE
+    assert (tmp_path / "out/minifsdp/one.py").read_text() == strip_solutions(one)
+    with pytest.raises(ValueError, match=r"chapter\(s\) 7 have no exercise"):
+        write_student_copy(src, tmp_path / "other", chapters=[3, 7])
+    assert not (tmp_path / "other").exists()
 
 
 def test_student_copy_refuses_a_non_empty_directory(tmp_path):
@@ -224,8 +286,6 @@ def test_student_copy_stops_before_writing_when_a_block_would_leave_invalid_pyth
     assert not (tmp_path / "out").exists()
 
 
-# -- grading -------------------------------------------------------------------------------------------------
-
 def test_chapter_test_files_groups_by_chapter_number(tmp_path):
     names = ["test_ch00_launch.py", "test_ch01_b.py", "test_ch01_a.py", "test_ch12_z.py", "test_course.py",
              "test_ch1.py", "test_chapter_x.py", "helpers_ch01_x.py"]
@@ -237,23 +297,51 @@ def test_chapter_test_files_groups_by_chapter_number(tmp_path):
     assert chapter_test_files(tmp_path / "nowhere") == {}
 
 
-# A tiny project of its own, with a package *also named minifsdp*: if the grader imported the installed
-# minifsdp instead of this one, `minifsdp.arith` would not even exist.
+# -- what is graded: the reference, with the submission's code between the markers ---------------------------
+
+def test_scan_regions_reads_a_students_markers_leniently():
+    text = ('DOC = """\n# BEGIN EXERCISE 9.9: an example in a docstring\n# END EXERCISE\n"""\n'
+            + strip_solutions(SOURCE) + "# BEGIN EXERCISE 4.1: never closed\nx = 1\n")
+    regions, notes = scan_regions(text, Path("m.py"))
+    assert [(r.id, r.indent, [line.strip() for line in r.body]) for r in regions] == [
+        ("3.1", "    ", ['raise NotImplementedError("Exercise 3.1: twice x")']),
+        ("3.2", " " * 16, [strip_solutions(SOURCE).splitlines()[16].strip()])]
+    assert notes == [("4.1", "BEGIN on m.py, line 24 has no END")]
+    # Not valid Python (the student's code may not be): read line by line, the region still found.
+    regions, notes = scan_regions("def f(:\n    # BEGIN EXERCISE 1.1: t\n    return (\n    # END EXERCISE\n",
+                                  Path("m.py"))
+    assert [(r.id, r.body) for r in regions] == [("1.1", ["    return (\n"])] and notes == []
+
+
+# A tiny course of its own, with a package *also named minifsdp*: if the grader imported the installed
+# minifsdp instead of this one, `minifsdp.arith` would not even exist. Chapter 2 builds on exercise 1.1.
 FAKE = {
-    "pyproject.toml": "[tool.pytest.ini_options]\ntestpaths = ['tests']\n",
+    "pyproject.toml": "[tool.pytest.ini_options]\ntestpaths = ['tests']\n"
+                      "markers = ['exercise(*ids): e', 'mechanism: m']\n",
     "minifsdp/__init__.py": "",
     "minifsdp/arith.py": """\
         def double(x):
             # BEGIN EXERCISE 1.1: twice x
-            return 2 * x
+            return x + x
             # END EXERCISE
 
 
         def square(x):
             return x * x
         """,
+    "minifsdp/quad.py": """\
+        from minifsdp.arith import double
+
+
+        def quadruple(x):
+            # BEGIN EXERCISE 2.1: twice twice x
+            return double(double(x))
+            # END EXERCISE
+        """,
     "tests/test_ch01_arith.py": """\
         from pathlib import Path
+
+        import pytest
 
         import minifsdp
         from minifsdp.arith import double, square
@@ -263,14 +351,237 @@ FAKE = {
             assert Path(minifsdp.__file__).resolve() == Path(__file__).resolve().parents[1] / "minifsdp" / "__init__.py"
 
 
+        @pytest.mark.exercise("1.1")
         def test_double():
             assert double(3) == 6
+
+
+        @pytest.mark.exercise("1.1")
+        @pytest.mark.mechanism
+        def test_double_keeps_the_type():
+            assert double(0.5) == 1.0 and isinstance(double(2), int)
 
 
         def test_square():
             assert square(3) == 9
         """,
-    "tests/test_ch02_mixed.py": """\
+    "tests/test_ch02_quad.py": """\
+        import pytest
+
+        from minifsdp.arith import double
+        from minifsdp.quad import quadruple
+
+
+        @pytest.mark.exercise("2.1")
+        def test_quadruple():
+            assert quadruple(3) == 12
+
+
+        def test_double_twice():
+            assert double(double(1)) == 4
+        """,
+}
+
+FORCE_PASS = """\
+import pathlib
+import pytest
+
+pathlib.Path(__file__).with_name("EXECUTED").write_text("conftest")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    outcome.get_result().outcome = "passed"
+"""
+
+
+def _insert_before_marker(path: Path, exercise: str, line: str) -> None:
+    lines = path.read_text().splitlines(keepends=True)
+    at = next(i for i, text in enumerate(lines) if f"BEGIN EXERCISE {exercise}:" in text)
+    path.write_text("".join(lines[:at] + [line] + lines[at:]))
+
+
+# Each way of scoring without doing the work, and how the report lists it.
+TAMPERING = {
+    "conftest hook": (lambda sub: [(sub / name).write_text(FORCE_PASS)
+                                   for name in ("conftest.py", "tests/conftest.py")],
+                      [("added", "conftest.py"), ("added", "tests/conftest.py")]),
+    "deleted test file": (lambda sub: (sub / "tests/test_ch02_quad.py").unlink(),
+                          [("missing", "tests/test_ch02_quad.py")]),
+    "pyproject.toml": (lambda sub: (sub / "pyproject.toml").write_text(
+                           "[tool.pytest.ini_options]\ntestpaths = ['elsewhere']\n"
+                           "addopts = '-k square -p no:warnings'\n"),
+                       [("changed", "pyproject.toml")]),
+    "sitecustomize.py": (lambda sub: (sub / "sitecustomize.py").write_text(
+                             "import pathlib\npathlib.Path(__file__).with_name('EXECUTED').write_text('site')\n"),
+                         [("added", "sitecustomize.py")]),
+    "code outside the markers": (lambda sub: (_insert_before_marker(sub / "minifsdp/arith.py", "1.1",
+                                                                    "    return 2 * x\n"),
+                                              _insert_before_marker(sub / "minifsdp/quad.py", "2.1",
+                                                                    "    return 4 * x\n")),
+                                 [("changed", "minifsdp/arith.py"), ("changed", "minifsdp/quad.py")]),
+}
+
+
+def _solve(submission: Path, exercise: str, code: str) -> None:
+    """Write `code` between the exercise's markers in the submission, as a student would."""
+    for path in (submission / "minifsdp").rglob("*.py"):
+        lines = path.read_text().splitlines(keepends=True)
+        begin = next((i for i, text in enumerate(lines) if f"BEGIN EXERCISE {exercise}:" in text), None)
+        if begin is not None:
+            end = next(i for i in range(begin, len(lines)) if "END EXERCISE" in lines[i])
+            indent = lines[begin][:len(lines[begin]) - len(lines[begin].lstrip())]
+            lines[begin + 1:end] = [indent + line + "\n" for line in code.splitlines()]
+            path.write_text("".join(lines))
+            return
+    raise AssertionError(f"no exercise {exercise} in {submission}")
+
+
+@pytest.fixture(scope="module")
+def plugins():
+    with plugin_dir() as directory:
+        yield directory
+
+
+@contextmanager
+def bare_pytest():
+    """The tiny courses' pytest runs without the plugins installed here (hypothesis, benchmark, ...): they
+    need none, and loading them is most of what such a run costs."""
+    before = os.environ.get("PYTEST_DISABLE_PLUGIN_AUTOLOAD")
+    os.environ["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["PYTEST_DISABLE_PLUGIN_AUTOLOAD"]
+        else:
+            os.environ["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = before
+
+
+@pytest.fixture
+def bare():
+    with bare_pytest():
+        yield
+
+
+@pytest.fixture(scope="module")
+def fake(tmp_path_factory, plugins):
+    """The tiny course, a student copy of it, and its tests collected once."""
+    root = tmp_path_factory.mktemp("fake")
+    reference = _project(root / "reference", FAKE)
+    write_student_copy(reference, root / "student", quiet=True)
+    with bare_pytest():
+        return reference, root / "student", collect_reference(reference, "1,2", plugins)
+
+
+def _submission(fake, name: str, tmp: Path) -> Path:
+    reference, student, _ = fake
+    sub = tmp / name.replace(" ", "_")
+    shutil.copytree(reference if name == "solved" else student, sub)
+    if name in TAMPERING:
+        TAMPERING[name][0](sub)
+    return sub
+
+
+@pytest.fixture(scope="module")
+def graded(fake, plugins, tmp_path_factory):
+    """An untouched student copy, a solved one, and each tampered one, graded two at a time."""
+    tmp = tmp_path_factory.mktemp("submissions")
+    names = ["student", "solved", *TAMPERING]
+    subs = {name: _submission(fake, name, tmp) for name in names}
+    with bare_pytest(), ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {name: pool.submit(grade_submission, subs[name], fake[2], plugins) for name in names}
+        results = {name: future.result() for name, future in futures.items()}
+    results["executed"] = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("EXECUTED"))
+    return results
+
+
+def _scores(result: dict) -> dict:
+    return {"chapters": [(c["chapter"], c["score"], c["max"], c["passed"]) for c in result["chapters"]],
+            "exercises": [(e["id"], e["score"], e["max"], e["mechanism"], e["from_submission"])
+                          for e in result["exercises"]],
+            "total": result["total"]}
+
+
+def test_assembly_takes_only_the_code_between_the_markers_found_by_id(fake, tmp_path):
+    reference, student, _ = fake
+    sub = shutil.copytree(student, tmp_path / "sub")
+    _solve(sub, "1.1", "y = 2 * x\nreturn y")
+    # 2.1 moved to a file of its own, at another indentation; its old markers gone from quad.py.
+    quad = (sub / "minifsdp/quad.py").read_text().splitlines(keepends=True)
+    (sub / "minifsdp/quad.py").write_text("".join(quad[:4] + ["    return None\n"]))
+    (sub / "minifsdp/moved.py").write_text("if True:\n        # BEGIN EXERCISE 2.1: mine\n"
+                                           "        return double(double(x))\n        # END EXERCISE\n")
+    copy = tmp_path / "copy"
+    assembly = assemble(reference, sub, copy)
+    assert (copy / "minifsdp/arith.py").read_text() == (reference / "minifsdp/arith.py").read_text().replace(
+        "    return x + x\n", "    y = 2 * x\n    return y\n")
+    assert (copy / "minifsdp/quad.py").read_text() == (reference / "minifsdp/quad.py").read_text()
+    assert not (copy / "minifsdp/moved.py").exists() and assembly.missing == {}
+    assert sorted((e.kind, e.path) for e in assembly.edits) == [("added", "minifsdp/moved.py"),
+                                                                ("changed", "minifsdp/quad.py")]
+
+    # Markers that are broken cost their own exercise only: the raise goes in, and the report says why.
+    text = (sub / "minifsdp/moved.py").read_text().replace("        # END EXERCISE\n", "")
+    (sub / "minifsdp/moved.py").write_text(text)
+    assembly = assemble(reference, sub, tmp_path / "copy2", chapters=[2])
+    assert set(assembly.missing) == {"2.1"} and "has no END" in assembly.missing["2.1"]
+    assert 'raise NotImplementedError("Exercise 2.1: twice twice x")' in \
+        (tmp_path / "copy2/minifsdp/quad.py").read_text()
+    assert (tmp_path / "copy2/minifsdp/arith.py").read_text() == (reference / "minifsdp/arith.py").read_text()
+
+
+def test_a_solved_copy_scores_full_marks_and_a_student_copy_what_it_has(graded):
+    solved, student = graded["solved"], graded["student"]
+    assert solved["total"] == {"score": 6, "max": 6} and solved["edits_outside_exercises"] == []
+    assert [(e["id"], e["score"], e["max"], e["mechanism"]) for e in solved["exercises"]] == [
+        ("1.1", 2, 2, {"score": 1, "max": 1}), ("2.1", 1, 1, {"score": 0, "max": 0})]
+    assert [(c["chapter"], c["score"], c["max"]) for c in student["chapters"]] == [(1, 2, 4), (2, 0, 2)]
+    assert [(e["id"], e["score"], e["max"], e["mechanism"], e["from_submission"]) for e in student["exercises"]] == [
+        ("1.1", 0, 2, {"score": 0, "max": 1}, True), ("2.1", 0, 1, {"score": 0, "max": 0}, True)]
+    failed = {t["id"]: t["cause"] for t in student["chapters"][0]["failed"]}
+    assert failed["tests/test_ch01_arith.py::test_double"] == "NotImplementedError: Exercise 1.1: twice x"
+    assert student["edits_outside_exercises"] == [] and student["warnings"] == []
+
+
+@pytest.mark.parametrize("name", list(TAMPERING))
+def test_tampering_scores_what_an_untouched_copy_scores_and_is_listed(graded, name):
+    assert _scores(graded[name]) == _scores(graded["student"])
+    assert [(e["kind"], e["path"]) for e in graded[name]["edits_outside_exercises"]] == TAMPERING[name][1]
+    assert graded["executed"] == [], "a file of the submission was run"
+
+
+def test_a_chapter_graded_alone_takes_the_other_solutions_from_the_reference(fake, plugins, tmp_path, bare):
+    reference, student, collected = fake
+    sub = shutil.copytree(student, tmp_path / "sub")
+    _solve(sub, "2.1", "return double(double(x))")  # 1.1, which it calls, is still the raise
+    alone = collected.restricted([2])
+    result = grade_submission(sub, alone, plugins)
+    assert result["chapters_graded"] == [2] and [e["id"] for e in result["exercises"]] == ["2.1"]
+    assert result["total"] == {"score": 2, "max": 2}
+    assert grade_submission(student, alone, plugins)["total"] == {"score": 1, "max": 2}  # 2.1 not written
+
+
+ODD = {
+    "pyproject.toml": "[tool.pytest.ini_options]\nmarkers = ['exercise(*ids): e', 'mechanism: m']\n",
+    "minifsdp/__init__.py": "",
+    "minifsdp/answer.py": "def answer():\n    # BEGIN EXERCISE 3.1: the answer\n    return 42\n    # END EXERCISE\n",
+    "tests/test_ch03_answer.py": """\
+        import pytest
+
+        from minifsdp.answer import answer
+
+
+        @pytest.mark.exercise("3.1")
+        def test_answer():
+            assert answer() == 42
+
+
+        def test_other():
+            pass
+        """,
+    "tests/test_ch04_mixed.py": """\
         import pytest
 
 
@@ -294,123 +605,282 @@ FAKE = {
         @pytest.mark.skip(reason="needs GPUs")
         def test_skipped():
             pass
+
+
+        def test_skips_itself():
+            pytest.skip("no GPU here")
         """,
 }
 
 
-def test_grade_scores_the_copy_it_is_pointed_at(tmp_path, capsys):
-    original = _project(tmp_path / "original", {k: v for k, v in FAKE.items() if "ch02" not in k})
-    assert grade(original) == 0
+def test_every_outcome_is_counted_and_a_hung_or_broken_chapter_scores_zero_of_its_maximum(tmp_path, plugins, bare):
+    reference = _project(tmp_path / "reference", ODD)
+    collected = collect_reference(reference, None, plugins)
+    assert {c: collected.maximum(c) for c in collected.tests} == {3: 2, 4: 4}  # the skip mark is known already
+    hung, broken = (shutil.copytree(reference, tmp_path / name) for name in ("hung", "broken"))
+    _solve(hung, "3.1", "import time\ntime.sleep(600)\nreturn 42")
+    _solve(broken, "3.1", "return (")
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        hung_result = pool.submit(grade_submission, hung, collected.restricted([3]), plugins, timeout=3)
+        broken_result = pool.submit(grade_submission, broken, collected, plugins)
+        hung_result, broken_result = hung_result.result(), broken_result.result()
+
+    chapter = hung_result["chapters"][0]
+    assert (chapter["chapter"], chapter["score"], chapter["max"]) == (3, 0, 2) and "time limit" in chapter["status"]
+    assert hung_result["exercises"][0]["score"] == 0 and hung_result["exercises"][0]["max"] == 1
+
+    three, four = broken_result["chapters"]
+    assert (three["score"], three["max"], three["status"]) == (0, 2, "ran")
+    assert all(t["cause"].startswith("not collected") for t in three["failed"])
+    assert any("answer.py is not valid Python" in w for w in broken_result["warnings"])
+    assert (four["score"], four["max"]) == (1, 3)  # a skipped test neither earns nor costs a point
+    assert {t["id"].split("::")[1]: t["cause"] for t in four["failed"]} == {
+        "test_fails": "assert 1 == 2", "test_errors": "error at setup: RuntimeError: set-up failed"}
+    assert sorted(t["id"].split("::")[1] for t in four["skipped"]) == ["test_skipped", "test_skips_itself"]
+
+
+# -- results for machines ------------------------------------------------------------------------------------
+
+def _check_types(data: dict, fields: dict, where: str) -> None:
+    for key, kind in fields.items():
+        assert key in data, f"{where}: no {key!r}"
+        assert isinstance(data[key], kind) and not (kind in (int, (int, float)) and isinstance(data[key], bool)), \
+            f"{where}: {key!r} is {data[key]!r}, not {kind}"
+
+
+def check_result_json(result: dict) -> None:
+    """The --json document's schema: required keys and their types."""
+    _check_types(result, {"submission": str, "reference": str, "chapters_graded": list, "chapters": list,
+                          "exercises": list, "total": dict, "edits_outside_exercises": list, "warnings": list,
+                          "seconds": (int, float)}, "result")
+    for chapter in result["chapters"]:
+        _check_types(chapter, {"chapter": int, "score": int, "max": int, "status": str, "seconds": (int, float),
+                               "passed": list, "failed": list, "skipped": list}, "chapter")
+        assert 0 <= chapter["score"] <= chapter["max"] and chapter["score"] == len(chapter["passed"])
+        for failed in chapter["failed"]:
+            _check_types(failed, {"id": str, "cause": str}, "failed test")
+            assert "\n" not in failed["cause"]
+    for ex in result["exercises"]:
+        _check_types(ex, {"id": str, "chapter": int, "title": str, "from_submission": bool, "score": int, "max": int,
+                          "mechanism": dict, "tests": list, "failed": list}, "exercise")
+        _check_types(ex["mechanism"], {"score": int, "max": int}, "mechanism")
+        assert ex["chapter"] in result["chapters_graded"] and 0 <= ex["score"] <= ex["max"]
+    _check_types(result["total"], {"score": int, "max": int}, "total")
+    assert result["total"]["score"] == sum(c["score"] for c in result["chapters"])
+    for edit in result["edits_outside_exercises"]:
+        _check_types(edit, {"path": str, "kind": str, "what": str}, "edit")
+        assert edit["kind"] in {"changed", "missing", "added"}
+    json.dumps(result)
+
+
+GRADESCOPE_TOP = {"score": (int, float), "execution_time": (int, float), "output": str, "output_format": str,
+                  "test_output_format": str, "test_name_format": str, "visibility": str, "stdout_visibility": str,
+                  "extra_data": dict, "tests": list, "leaderboard": list}
+GRADESCOPE_TEST = {"score": (int, float), "max_score": (int, float), "status": str, "name": str,
+                   "name_format": str, "number": str, "output": str, "output_format": str, "tags": list,
+                   "visibility": str, "extra_data": dict}
+VISIBILITY = {"hidden", "after_due_date", "after_published", "visible"}
+
+
+def check_gradescope(results: dict) -> None:
+    """Gradescope's results.json, as its autograder specification documents it: only its fields, of their
+    types; a score at the top or on every test; status passed/failed; visibility one of four words."""
+    assert set(results) <= set(GRADESCOPE_TOP), set(results) - set(GRADESCOPE_TOP)
+    _check_types(results, {k: GRADESCOPE_TOP[k] for k in results}, "results.json")
+    assert "score" in results or all("score" in t for t in results.get("tests", []))
+    for test in results.get("tests", []):
+        assert set(test) <= set(GRADESCOPE_TEST), set(test) - set(GRADESCOPE_TEST)
+        _check_types(test, {k: GRADESCOPE_TEST[k] for k in test}, f"test {test.get('name')}")
+        assert test.get("status", "passed") in {"passed", "failed"}
+        assert test.get("visibility", "visible") in VISIBILITY
+        assert 0 <= test["score"] <= test["max_score"]
+    json.dumps(results)
+
+
+def test_the_json_and_gradescope_results_validate(graded):
+    for name in ("student", "solved", "conftest hook"):
+        check_result_json(graded[name])
+        check_gradescope(gradescope_results(graded[name]))
+    results = gradescope_results(graded["student"])
+    assert results["score"] == 2
+    assert [(t["name"], t["score"], t["max_score"], t["status"]) for t in results["tests"]] == [
+        ("Exercise 1.1: twice x", 0, 2, "failed"), ("Chapter 1: tests of no single exercise", 2, 2, "passed"),
+        ("Exercise 2.1: twice twice x", 0, 1, "failed"), ("Chapter 2: tests of no single exercise", 0, 1, "failed")]
+    assert "NotImplementedError: Exercise 1.1: twice x" in results["tests"][0]["output"]
+    tampered = gradescope_results(graded["conftest hook"])
+    assert "added conftest.py" in tampered["output"]
+
+
+def test_the_command_line_writes_a_copy_grades_it_and_writes_every_format(fake, tmp_path, bare, capsys,
+                                                                          monkeypatch):
+    from minifsdp.__main__ import main
+
+    reference, _, _ = fake
+    monkeypatch.chdir(reference)  # `student` copies the project it is run in
+    assert main(["student", str(tmp_path / "copy"), "--chapters", "1"]) == 0
+    assert "1 exercise(s) removed" in capsys.readouterr().out
+    out = tmp_path / "out"
+    assert main(["grade", str(tmp_path / "copy"), "--reference", str(reference), "--chapters", "1",
+                 "--json", str(out / "r.json"), "--gradescope", str(out / "gs.json"),
+                 "--junit", str(out / "junit")]) == 1
     table = capsys.readouterr().out
-    assert "      1        3/3   100%" in table and "  total        3/3   100%" in table
+    assert "chapter 1                                2/4    50%  2 failed" in table
+    assert "  1.1 twice x                            0/2     0%  mechanism 0/1" in table
+    assert "NotImplementedError: Exercise 1.1: twice x" in table
+    check_result_json(json.loads((out / "r.json").read_text()))
+    check_gradescope(json.loads((out / "gs.json").read_text()))
+    assert [p.name for p in (out / "junit").iterdir()] == ["chapter_01.xml"]
 
-    student = tmp_path / "student"
-    write_student_copy(original, student)
-    capsys.readouterr()
-    assert grade(student) == 1
-    table = capsys.readouterr().out
-    assert "      1        2/3    67%  1 failed" in table
-    assert "tests/test_ch01_arith.py::test_double" in table and "Exercise 1.1: twice x" in table
-
-    returncode, counts = run_chapter_tests(student, 1)
-    assert returncode == 1 and (counts.passed, counts.failed, counts.errors) == (2, 1, 0)
-    assert counts.problems[0].test == "tests/test_ch01_arith.py::test_double"
+    assert main(["grade", str(tmp_path / "copy"), "--reference", str(reference), "--chapters", "9"]) == 2
+    assert "chapter(s) 9 have no tests" in capsys.readouterr().err
+    assert main(["student", str(tmp_path / "other"), "--chapters", "one"]) == 2
+    assert "--chapters takes chapter numbers" in capsys.readouterr().err
 
 
-def test_run_chapter_tests_counts_every_outcome(tmp_path):
-    project = _project(tmp_path, FAKE)
-    returncode, counts = run_chapter_tests(project, 2)
-    assert returncode == 1
-    assert (counts.passed, counts.failed, counts.errors, counts.skipped, counts.total) == (1, 1, 1, 1, 3)
-    assert {p.test for p in counts.problems} == {"tests/test_ch02_mixed.py::test_fails",
-                                                 "tests/test_ch02_mixed.py::test_errors"}
-    assert "set-up failed" in next(p.details for p in counts.problems if p.test.endswith("test_errors"))
-    with pytest.raises(ValueError, match="chapter 5 has no tests"):
-        run_chapter_tests(project, 5)
+def test_the_default_reference_is_the_running_packages_project(monkeypatch, tmp_path):
+    import minifsdp
+
+    assert grading.default_reference() == REPO
+    monkeypatch.setattr(minifsdp, "__file__", str(tmp_path / "site-packages/minifsdp/__init__.py"))
+    with pytest.raises(FileNotFoundError, match="pass --reference"):
+        grading.default_reference()
 
 
-def test_a_chapter_that_cannot_run_scores_nothing(tmp_path, capsys):
-    project = _project(tmp_path, {"minifsdp/__init__.py": "",
-                                  "tests/test_ch03_broken.py": "import minifsdp.not_written_yet\n",
-                                  "tests/test_ch04_empty.py": "X = 1\n",
-                                  "tests/test_ch05_slow.py": "import time\n\ndef test_slow():\n"
-                                                             "    time.sleep(60)\n"})
-    returncode, counts = run_chapter_tests(project, 3)
-    assert returncode != 0 and counts.errors == 1 and "not_written_yet" in counts.problems[0].details
-    returncode, counts = run_chapter_tests(project, 4)  # pytest's "no tests collected"
-    assert returncode == 5 and counts.errors == 1 and counts.total == 1
-    returncode, counts = run_chapter_tests(project, 5, timeout=3)
-    assert returncode != 0 and counts.errors == 1 and "stopped after 3 s" in counts.output
+def test_grade_all_grades_a_class_and_survives_a_submission_that_breaks_the_grader(fake, tmp_path, monkeypatch,
+                                                                                   capsys, bare):
+    reference, student, _ = fake
+    class_dir = tmp_path / "class"
+    shutil.copytree(reference, class_dir / "ada")
+    shutil.copytree(student, class_dir / "bob")
+    shutil.copytree(student, class_dir / "eve")
+    TAMPERING["conftest hook"][0](class_dir / "eve")
+    (class_dir / "zed").mkdir()
+    real_assemble = grading.assemble
 
-    assert grade(tmp_path / "nowhere") == 1
-    assert "Nothing to grade" in capsys.readouterr().out
+    def assemble(reference, submission, *args, **kwargs):
+        if Path(submission).name == "zed":
+            raise OSError("unreadable submission")
+        return real_assemble(reference, submission, *args, **kwargs)
 
-
-def test_the_command_line_writes_a_copy_and_grades_it(tmp_path):
-    project = _project(tmp_path / "project", {k: v for k, v in FAKE.items() if "ch02" not in k})
-    made = _python(project, "-m", "minifsdp", "student", str(tmp_path / "copy"), "--only", "1.1")
-    assert made.returncode == 0, made.stderr
-    assert "1 exercise(s) removed" in made.stdout
-    graded = _python(REPO, "-m", "minifsdp", "grade", str(tmp_path / "copy"))
-    assert graded.returncode == 1, graded.stderr
-    assert "2/3" in graded.stdout
+    monkeypatch.setattr(grading, "assemble", assemble)
+    assert grade_all(class_dir, reference=reference, chapters="1,2", out=tmp_path / "grades") == 0
+    assert "zed" in capsys.readouterr().out
+    with open(tmp_path / "grades/summary.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert list(rows[0]) == ["submission", "chapter_1", "chapter_1_max", "chapter_2", "chapter_2_max",
+                             "exercise_1.1", "exercise_1.1_max", "exercise_2.1", "exercise_2.1_max",
+                             "total", "total_max", "edits_outside_exercises", "error"]
+    assert [list(row.values()) for row in rows] == [
+        ["ada", "4", "4", "2", "2", "2", "2", "1", "1", "6", "6", "0", ""],
+        ["bob", "2", "4", "0", "2", "0", "2", "0", "1", "2", "6", "0", ""],
+        ["eve", "2", "4", "0", "2", "0", "2", "0", "1", "2", "6", "2", ""],
+        ["zed", "0", "4", "0", "2", "0", "2", "0", "1", "0", "6", "0", "OSError: unreadable submission"]]
+    for name in ("ada", "bob", "eve"):
+        check_result_json(json.loads((tmp_path / f"grades/{name}.json").read_text()))
+    assert json.loads((tmp_path / "grades/zed.json").read_text())["error"] == "OSError: unreadable submission"
 
 
 # -- the removal check ---------------------------------------------------------------------------------------
 
 EXERCISES = find_exercises(REPO)
+INDEPENDENT_CHAPTER = 2  # its DDP measurements run chapter 1's exercises: a plain student copy fails them
 
 
-def _original_chapter_passes(chapter: int) -> bool:
-    returncode, counts = run_chapter_tests(REPO, chapter, extra_args=("-x",), timeout=REMOVAL_TIMEOUT)
-    return returncode == 0 and counts.failed + counts.errors == 0
+# pytest-timeout stays (the real tests' time limits); the other plugins installed here are not needed, and
+# loading them costs each run a second.
+PLUGINS = ["-p", "pytest_timeout"] if importlib.util.find_spec("pytest_timeout") else []
 
 
-def _remove_and_run(exercise, tmp: Path):
-    """A student copy without this one exercise, and its chapter's tests run on it (stopping at the first
-    failure): (copy, exit code, counts)."""
+def _removal_args(exercise, reference) -> list[str] | None:
+    """The tests to run with this exercise removed, stopping at the first failure: those marked with it
+    (its own chapter's only, if it has some there: fewer files to import), else its chapter's. Either way
+    the test file named after its module comes first (oss.py -> test_ch03_oss.py; else after its package:
+    parallel/ -> test_ch12_tensor_parallel.py): its tests are the likeliest to fail soonest."""
+    marked = [t for tests in reference.tests.values() for t in tests if exercise.id in t.exercises and t.skip is None]
+    marked = [t for t in marked if t.chapter == exercise.chapter] or marked
+    names = [t.id.split("::")[0] for t in marked] or reference.chapter_files.get(exercise.chapter, [])
+    if not names:
+        return None
+    first = next((w for w in (exercise.path.stem, exercise.path.parent.name) if any(w in n for n in names)), "")
+    later = lambda name: first not in Path(name.split("::")[0]).name  # noqa: E731 -- a sort key
+    if marked:
+        return ["-x", *PLUGINS, *sorted((t.id for t in marked), key=later)]
+    return ["-x", *PLUGINS, *sorted(names, key=later)]
+
+
+def _remove_and_run(exercise, tmp: Path, reference, plugins):
     copy = tmp / f"student-{exercise.id}"
-    write_student_copy(REPO, copy, only=exercise.id)
-    if exercise.chapter not in chapter_test_files(copy):
-        return copy, None, None
-    # the chapter's test file named after the exercise's module first (oss.py -> test_ch03_oss.py), else after
-    # its package (parallel/mappings.py -> test_ch12_tensor_parallel.py)
-    names = [f.name for f in chapter_test_files(copy)[exercise.chapter]]
-    first = next((w for w in (exercise.path.stem, exercise.path.parent.name) if any(w in n for n in names)), None)
-    returncode, counts = run_chapter_tests(copy, exercise.chapter, extra_args=("-x",), timeout=REMOVAL_TIMEOUT,
-                                           first=first)
-    return copy, returncode, counts
+    write_student_copy(REPO, copy, only=exercise.id, quiet=True)
+    args = _removal_args(exercise, reference)
+    return args, (run_pytest(copy, args, plugins, REMOVAL_TIMEOUT) if args else None)
+
+
+def _graded_alone(tmp: Path, plugins) -> dict:
+    """A student copy with every other chapter's exercises removed, graded on chapter INDEPENDENT_CHAPTER."""
+    copy = tmp / "other-chapters-removed"
+    others = sorted({ex.chapter for ex in EXERCISES} - {INDEPENDENT_CHAPTER})
+    write_student_copy(REPO, copy, chapters=others, quiet=True)
+    reference = collect_reference(REPO, [INDEPENDENT_CHAPTER], plugins, REMOVAL_TIMEOUT)
+    return grade_submission(copy, reference, plugins, REMOVAL_TIMEOUT)
 
 
 @pytest.fixture(scope="module")
-def removals(tmp_path_factory):
-    """Every removal check, two at a time: each is mostly a fresh interpreter importing torch, and this
-    machine has two cores."""
-    from concurrent.futures import ThreadPoolExecutor
-
+def removals(tmp_path_factory, plugins):
+    """The real tests' exercise marks, every removal check, and the chapter graded alone, two at a time:
+    each is mostly a fresh interpreter importing torch, and this machine has two cores. The chapter graded
+    alone, the longest, starts first, while the marks are collected."""
     tmp = tmp_path_factory.mktemp("removals")
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        futures = {ex.id: pool.submit(_remove_and_run, ex, tmp) for ex in EXERCISES}
-        return {k: f.result() for k, f in futures.items()}
+    with bare_pytest(), ThreadPoolExecutor(max_workers=2) as pool:
+        alone = pool.submit(_graded_alone, tmp, plugins)
+        reference = collect_reference(REPO, None, plugins, REMOVAL_TIMEOUT)
+        futures = {ex.id: pool.submit(_remove_and_run, ex, tmp, reference, plugins) for ex in EXERCISES}
+        results = {k: f.result() for k, f in futures.items()}
+        results["alone"], results["reference"] = alone.result(), reference
+        return results
+
+
+@pytest.mark.timeout(len(EXERCISES) * REMOVAL_TIMEOUT + 60)
+def test_the_real_tests_collect_and_mark_only_real_exercises(removals):
+    reference = removals["reference"]
+    assert reference.warnings == []
+    assert all(reference.tests.values()), "a chapter without a single test"
+
+
+@pytest.mark.timeout(len(EXERCISES) * REMOVAL_TIMEOUT + 60)
+def test_a_chapter_graded_alone_scores_full_marks_without_the_other_chapters_solutions(removals):
+    # The check means something only if the chapter's tests run other chapters' exercises.
+    borrowed = {e for t in removals["reference"].tests[INDEPENDENT_CHAPTER] for e in t.exercises
+                if not e.startswith(f"{INDEPENDENT_CHAPTER}.")}
+    assert borrowed, f"no test of chapter {INDEPENDENT_CHAPTER} is marked with another chapter's exercise"
+    result = removals["alone"]
+    chapter = result["chapters"][0]
+    assert chapter["chapter"] == INDEPENDENT_CHAPTER and chapter["max"] > 0
+    assert chapter["score"] == chapter["max"], chapter["failed"][:5]
+    assert result["edits_outside_exercises"] == [] and all(ex["from_submission"] for ex in result["exercises"])
 
 
 @pytest.mark.timeout(len(EXERCISES) * REMOVAL_TIMEOUT + 60)
 @pytest.mark.parametrize("exercise", EXERCISES, ids=[ex.id for ex in EXERCISES])
-def test_removal_of_each_exercise_fails_its_chapter(exercise, removals):
-    copy, returncode, counts = removals[exercise.id]
+def test_removal_of_each_exercise_fails_its_tests(exercise, removals, plugins):
+    args, run = removals[exercise.id]
     where = f"exercise {exercise.id} ({exercise.path.relative_to(REPO)}, line {exercise.begin}: {exercise.title})"
-    if returncode is None:
+    if run is None:
         pytest.fail(f"{where} belongs to chapter {exercise.chapter}, which has no tests "
-                    f"(tests/test_ch{exercise.chapter:02d}_*.py): nothing can grade it")
-    assert returncode != 0 and counts.failed + counts.errors >= 1, (
-        f"with {where} removed, chapter {exercise.chapter}'s tests still pass ({counts.passed} passed, "
-        f"{counts.skipped} skipped): no test runs this code, so a student is never graded on it.\n"
-        f"{counts.output[-3000:]}")
+                    f"(tests/test_ch{exercise.chapter:02d}_*.py) and no test is marked with it: nothing grades it")
+    results = (run.report or {}).get("results", {})
+    failed = [r for r in results.values() if r["outcome"] in ("failed", "incomplete")]
+    failed += (run.report or {}).get("collect_errors", [])
+    passed = sum(r["outcome"] == "passed" for r in results.values())
+    which = "the tests marked with it" if "::" in args[-1] else f"chapter {exercise.chapter}'s tests"
+    assert run.returncode != 0 and (failed or run.report is None), (
+        f"with {where} removed, {which} still pass ({passed} passed): no test runs this code, so a student is "
+        f"never graded on it.\n{run.output[-3000:]}")
 
     # ... and they fail *because* the exercise is missing, not for a reason of their own: either the
-    # failure reports the exercise's NotImplementedError, or the chapter passes with the solution in place.
-    reported = any(f"Exercise {exercise.id}:" in p.details for p in counts.problems) or \
-        f"Exercise {exercise.id}:" in counts.output
-    assert reported or _original_chapter_passes(exercise.chapter), (
-        f"chapter {exercise.chapter}'s tests fail even with {where} solved; fix them first:\n"
-        f"{counts.output[-3000:]}")
+    # failure reports the exercise's NotImplementedError, or the same tests pass with the solution in place.
+    reported = any(f"Exercise {exercise.id}:" in (r["cause"] or "") for r in failed) or \
+        f"Exercise {exercise.id}:" in run.output
+    with bare_pytest():
+        solved = reported or run_pytest(REPO, args, plugins, REMOVAL_TIMEOUT).returncode == 0
+    assert solved, (
+        f"{which} fail even with {where} solved; fix them first:\n{run.output[-3000:]}")

@@ -5,10 +5,7 @@ renamed section marker fails it. The checks below only make the failure messages
 """
 
 import html as html_module
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -28,20 +25,15 @@ def test_there_are_pages():
     assert {p.name for p in PAGES} >= {"index.md", "01_ddp.md", "02_memory.md"}
 
 
-def test_site_builds_strictly(tmp_path):
-    pytest.importorskip("mkdocs")
-    pytest.importorskip("material")
-    pytest.importorskip("pymdownx")
-    env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
-    out = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
-                         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+def test_site_builds_strictly(site_build):
+    out = site_build("public")  # built once per test run (tests/conftest.py), shared with test_site_solutions.py
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "WARNING" not in out.stderr, out.stderr[-3000:]
     for page in ("index.html", "01_ddp/index.html", "02_memory/index.html"):
-        html = (tmp_path / "site" / page).read_text(encoding="utf-8")
+        html = out.page(page)
         assert "8&lt;--" not in html and "8<--" not in html, f"{page}: an include was not expanded"
     # the included source really is on the page (as text: highlighting splits it into spans)
-    ddp_page = (tmp_path / "site" / "01_ddp" / "index.html").read_text(encoding="utf-8")
+    ddp_page = out.page("01_ddp/index.html")
     assert "def _on_grad_ready(self, p: nn.Parameter)" in html_module.unescape(re.sub(r"<[^>]+>", "", ddp_page))
 
 
@@ -64,15 +56,21 @@ def test_every_image_exists(page):
         assert (page.parent / src).is_file(), f"{page.name} shows {src}, which does not exist"
 
 
+def make_recipe(target: str) -> str:
+    """A Makefile target's recipe, then the recipes of the targets it depends on (`figures: diagrams`)."""
+    rule = re.search(rf"^{re.escape(target)}:([^#\n]*).*\n((?:\t.*\n)*)", (REPO / "Makefile").read_text(), re.MULTILINE)
+    return rule.group(2) + "".join(make_recipe(dep) for dep in rule.group(1).split()) if rule else ""
+
+
 @pytest.mark.parametrize("page", PAGES, ids=[p.name for p in PAGES])
 def test_every_generated_table_and_figure_names_its_command(page):
     """Each included output and each figure is made by `make figures`, and the page names the command."""
     text = page.read_text(encoding="utf-8")
-    figures_recipe = re.search(r"^figures:.*?\n((?:\t.*\n)+)", (REPO / "Makefile").read_text(), re.MULTILINE)
+    figures_recipe = make_recipe("figures")
     assert figures_recipe, "the Makefile has no `figures` target"
     made = [f"chapters/{src}" for src in IMAGE.findall(text)] + \
            [t for t in includes(page) if t.startswith("chapters/generated/")]
     for path in made:
-        assert path in figures_recipe.group(1), f"{page.name} shows {path}, which `make figures` does not make"
+        assert path in figures_recipe, f"{page.name} shows {path}, which `make figures` does not make"
         outside_includes = INCLUDE.sub("", text)
         assert path in outside_includes, f"{page.name} shows {path} without naming the command that made it"

@@ -1,8 +1,13 @@
-"""Every notebook runs top to bottom in a fresh Jupyter kernel, and is stored without outputs.
+"""Every notebook runs top to bottom in a fresh Jupyter kernel, and is stored with current outputs.
 
 The notebooks launch their ranks from inside the kernel (functions typed into cells are started with the
 fork start method), so running them under nbclient also checks that `minifsdp.launch` works from a
 notebook. A failing cell fails the test with that cell's source and traceback.
+
+The notebooks are stored with the outputs of a run on CPU ranks (`make notebooks`, that is
+minifsdp/reports/notebooks.py), which the site shows. Each records the hash of the code cells that made its
+outputs, so a code cell edited without running `make notebooks` again fails
+test_notebook_outputs_are_current.
 """
 
 import os
@@ -52,10 +57,24 @@ def test_notebook_runs(path, executed):
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
-def test_notebook_is_stored_without_outputs(path):
+def test_notebook_outputs_are_current(path):
+    """Stored with outputs, from one top-to-bottom run of the code cells it has now, under the note on how
+    to run it."""
+    from minifsdp.reports.notebooks import COMMAND, problems
+
     nb = nbformat.read(path, as_version=4)
     nbformat.validate(nb)
-    dirty = [i for i, cell in enumerate(nb.cells)
-             if cell.cell_type == "code" and (cell.outputs or cell.execution_count is not None)]
-    assert not dirty, (f"{path.name}: code cells {dirty} have outputs; clear them before committing "
-                       f"(e.g. jupyter nbconvert --clear-output --inplace {path})")
+    why = problems(nb, path.name)
+    assert not why, (f"{path.name}: its stored outputs are not those of its code: " + "; ".join(why) +
+                     f". Run `{COMMAND}` (or python -m minifsdp.reports.notebooks notebooks/{path.name})"
+                     f" and commit the notebook with its new outputs")
+
+
+def test_every_notebook_is_on_the_site():
+    """mkdocs.yml's nav lists every notebook (mkdocs-jupyter renders it from chapters/notebooks, a link to
+    notebooks/)."""
+    nav = (NOTEBOOKS_DIR.parent / "mkdocs.yml").read_text(encoding="utf-8")
+    missing = [p.name for p in NOTEBOOKS if f"notebooks/{p.name}" not in nav]
+    assert not missing, f"mkdocs.yml's nav lacks these notebooks: {missing}"
+    link = NOTEBOOKS_DIR.parent / "chapters" / "notebooks"
+    assert link.resolve() == NOTEBOOKS_DIR, "chapters/notebooks should be a link to ../notebooks"

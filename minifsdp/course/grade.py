@@ -1,30 +1,49 @@
-"""Grading: run each chapter's tests against a project (or a student copy of it), print a score.
+"""Grading: score a submission chapter by chapter, and exercise by exercise, on the reference's tests.
 
-    python -m minifsdp grade my_copy
+    python -m minifsdp grade my_copy [--reference REF] [--chapters 6,7] [--json F] [--gradescope F] [--junit DIR]
+    python -m minifsdp grade-all submissions/ [--chapters 6,7] [--out grades]
 
-A chapter's tests are the files tests/test_chNN_*.py. They run in a fresh pytest process whose imports
-resolve to the package *under the graded path* -- a student copy is graded on the student's code, not on
-whatever minifsdp happens to be installed. Results are read from pytest's JUnit XML report.
+The submission supplies only the code between its exercise markers (assemble.py builds the copy that is
+graded); the tests, conftest.py, pytest configuration and the rest of the package are the reference's.
+The reference is, unless told otherwise, the project that holds the running package.
+
+A chapter's tests are the files tests/test_chNN_*.py. Each chapter runs in a fresh pytest process in
+that copy, with a time limit, and its imports resolve to the copy alone: never to the submission's
+directory or an installed minifsdp. The outcomes come from the grader's own plugin (plugin.py), loaded
+from a directory that holds only it. The maximum comes from collecting the reference's tests, so a
+chapter that crashes, hangs or cannot even be collected scores 0 of its real maximum instead of
+vanishing. A test that is skipped (one that needs GPUs, on a laptop) neither earns nor costs a point.
+
+An exercise's tests are those marked @pytest.mark.exercise("<id>"); those also marked
+@pytest.mark.mechanism check how it is done (collectives issued, memory freed), and are counted apart
+too. A test with no exercise mark counts for its chapter only. Output: a table (report.py), and on
+request JSON, Gradescope's results.json and pytest's JUnit XML.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
-import xml.etree.ElementTree as ET
+import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NamedTuple, Sequence
+from typing import Iterable, Iterator, Sequence
 
-PACKAGE = "minifsdp"
+from minifsdp.course.assemble import assemble
+from minifsdp.course.student import PACKAGE, Exercise, copy_files, find_exercises, project_files
+
+DEFAULT_TIMEOUT = 900.0  # seconds per chapter: the longest chapter takes a few minutes on two cores
+PLUGIN = "_minifsdp_grade_plugin"  # the name plugin.py is loaded under, which no project provides
 _CHAPTER_TEST = re.compile(r"test_ch(\d+)_\w*\.py")
-_MISSING = re.compile(r"NotImplementedError: Exercise \d+\.\d+: .*")
+_TAIL = 20_000  # characters of pytest's output kept
 
-# -- grading ------------------------------------------------------------------------------------------------
 
 def chapter_test_files(root: str | Path = ".") -> dict[int, list[Path]]:
     """{chapter: [tests/test_chNN_*.py, ...]} for the project at `root`, by chapter number."""
@@ -36,55 +55,53 @@ def chapter_test_files(root: str | Path = ".") -> dict[int, list[Path]]:
     return dict(sorted(by_chapter.items()))
 
 
-class Problem(NamedTuple):
-    test: str        # a pytest node id, e.g. tests/test_ch01_ddp.py::test_parity[3]
-    message: str     # the first line of what went wrong
-    details: str     # the whole report: traceback, and a failed rank's own traceback
+def chapter_of(node_id: str) -> int | None:
+    match = _CHAPTER_TEST.fullmatch(node_id.split("::")[0].rsplit("/", 1)[-1])
+    return int(match[1]) if match else None
+
+
+def default_reference() -> Path:
+    """The project that holds the running package, if it has its tests (an installed wheel does not)."""
+    import minifsdp
+
+    root = Path(minifsdp.__file__).resolve().parents[1]
+    if not (root / "tests").is_dir():
+        raise FileNotFoundError(f"the running {PACKAGE} ({root / PACKAGE}) is not inside a project with its "
+                                f"tests/; pass --reference with the course project (the one with the solutions)")
+    return root
+
+
+# -- running pytest ------------------------------------------------------------------------------------------
+
+@contextmanager
+def plugin_dir() -> Iterator[Path]:
+    """A directory that holds only the grader's plugin, under a name no project provides."""
+    with tempfile.TemporaryDirectory(prefix=f"{PACKAGE}-plugin-") as tmp:
+        shutil.copyfile(Path(__file__).with_name("plugin.py"), Path(tmp) / f"{PLUGIN}.py")
+        yield Path(tmp)
 
 
 @dataclass
-class Counts:
-    passed: int = 0
-    failed: int = 0
-    errors: int = 0
-    skipped: int = 0
-    problems: list[Problem] = field(default_factory=list)
-    output: str = ""  # what pytest printed
-
-    @property
-    def total(self) -> int:
-        # A skipped test (say, one that needs GPUs on a laptop) neither earns nor costs a point.
-        return self.passed + self.failed + self.errors
+class PytestRun:
+    returncode: int
+    report: dict | None    # the plugin's (plugin.py); None when pytest never got to write it
+    output: str            # the end of what pytest printed
+    seconds: float
+    timed_out: bool
 
 
-def _node_id(project: Path, classname: str, name: str) -> str:
-    """junit's dotted classname back into the node id one can paste after `pytest`."""
-    parts = classname.split(".") if classname else []
-    for i in range(len(parts), 0, -1):
-        if project.joinpath(*parts[:i]).with_suffix(".py").is_file():
-            return "::".join(["/".join(parts[:i]) + ".py", *parts[i:], name])
-    return "::".join([*parts, name]) if parts else name
-
-
-def _read_junit(xml: Path, project: Path) -> Counts:
-    counts = Counts()
-    for case in ET.parse(xml).getroot().iter("testcase"):
-        outcomes = {child.tag: child for child in case}
-        bad = outcomes.get("failure", outcomes.get("error"))
-        if bad is not None:
-            if "failure" in outcomes:
-                counts.failed += 1
-            else:
-                counts.errors += 1
-            message = (bad.get("message") or "").strip().splitlines()
-            node = _node_id(project, case.get("classname", ""), case.get("name", ""))
-            counts.problems.append(Problem(node, message[0] if message else bad.tag,
-                                           "\n".join(filter(None, [bad.get("message"), bad.text]))))
-        elif "skipped" in outcomes:
-            counts.skipped += 1
-        else:
-            counts.passed += 1
-    return counts
+def _environment(project: Path, plugins: Path, keep_out: Sequence[Path]) -> dict[str, str]:
+    env = dict(os.environ)
+    # Options and plugins from the environment would change what runs; so would the user's site-packages.
+    for name in ("PYTEST_ADDOPTS", "PYTEST_PLUGINS"):
+        env.pop(name, None)
+    inherited = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    inherited = [p for p in inherited if not any(Path(p).resolve().is_relative_to(k) for k in keep_out)]
+    # PYTHONPATH reaches the rank processes the tests start; with the working directory first on sys.path
+    # (python -m pytest), it beats an installed, even editable, minifsdp.
+    env["PYTHONPATH"] = os.pathsep.join([str(project), str(plugins), *inherited])
+    env["PYTHONNOUSERSITE"] = "1"
+    return env
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -95,111 +112,274 @@ def _stop(proc: subprocess.Popen) -> None:
         proc.kill()
 
 
-def run_chapter_tests(path: str | Path, chapter: int, extra_args: Sequence[str] = (),
-                      timeout: float | None = None, first: str | None = None) -> tuple[int, Counts]:
-    """Run one chapter's tests of the project at `path` in a fresh pytest; return (exit code, counts).
-
-    The tests import the package under `path`, never an installed copy: that is what makes a student
-    copy's score the student's. `timeout` (seconds) bounds the whole run. `first`: run the test files
-    whose name contains it before the others (with -x, the likeliest failure then comes soonest).
-    """
-    project = Path(path).resolve()
-    files = chapter_test_files(project).get(chapter)
-    if not files:
-        raise ValueError(f"chapter {chapter} has no tests in {project / 'tests'} (test_ch{chapter:02d}_*.py)")
-    if first:
-        files = sorted(files, key=lambda f: first not in f.name)  # stable: otherwise the usual order
-
-    # `python -m pytest` puts the working directory first on sys.path, and PYTHONPATH reaches the rank
-    # processes the tests spawn; together they beat an installed (even editable) minifsdp.
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(project), *filter(None, [env.get("PYTHONPATH")])])
-    with tempfile.TemporaryDirectory(prefix=f"{PACKAGE}-grade-") as tmp:
-        xml = Path(tmp) / "report.xml"
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={xml}",
-               *(str(f.relative_to(project)) for f in files), *extra_args]
-        proc = subprocess.Popen(cmd, cwd=project, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+def run_pytest(project: str | Path, args: Sequence[str], plugins: Path, timeout: float | None = None,
+               keep_out: Sequence[Path] = ()) -> PytestRun:
+    """pytest in `project` with the grader's plugin; `keep_out`: directories never put on the path."""
+    project = Path(project).resolve()
+    with tempfile.TemporaryDirectory(prefix=f"{PACKAGE}-report-") as tmp:
+        report_file = Path(tmp) / "report.json"
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", PLUGIN,
+               f"--grade-report={report_file}", f"--rootdir={project}", *args]
+        started = time.monotonic()
+        env = _environment(project, plugins, [Path(k).resolve() for k in keep_out])
+        proc = subprocess.Popen(cmd, cwd=project, env=env,
+                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, errors="replace", start_new_session=True)
+        timed_out = False
         try:
             output, _ = proc.communicate(timeout=timeout)
-            returncode = proc.returncode
         except subprocess.TimeoutExpired:
+            timed_out = True
             _stop(proc)
             output, _ = proc.communicate()
             output += f"\n[{PACKAGE}] stopped after {timeout:g} s"
-            returncode = proc.returncode or -signal.SIGKILL
         except BaseException:  # e.g. Ctrl-C while grading: leave no test processes behind
             _stop(proc)
             proc.wait()
             raise
-        counts = _read_junit(xml, project) if xml.is_file() else Counts()
-    counts.output = output
-
-    # pytest failed without blaming a test (no tests collected, a broken conftest, a timeout): that
-    # must still cost the chapter, not read as a clean pass.
-    if returncode != 0 and counts.failed + counts.errors == 0:
-        tail = output.strip().splitlines()[-1:] or [f"pytest exited with code {returncode}"]
-        counts.errors += 1
-        counts.problems.append(Problem(f"chapter {chapter}", f"pytest exited with code {returncode}: {tail[0]}",
-                                       output))
-    return returncode, counts
+        seconds = time.monotonic() - started
+        report = None
+        if report_file.is_file() and not timed_out:
+            try:
+                report = json.loads(report_file.read_text(encoding="utf-8"))
+            except ValueError:
+                report = None
+    return PytestRun(proc.returncode, report, output[-_TAIL:], seconds, timed_out)
 
 
-def _percent(passed: int, total: int) -> str:
-    return f"{100 * passed / total:.0f}%" if total else "-"
+# -- what the reference asks ---------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Test:
+    id: str                      # a node id, e.g. tests/test_ch01_ddp.py::test_parity[3]
+    chapter: int
+    exercises: tuple[str, ...]   # from its exercise marks
+    mechanism: bool
+    skip: str | None             # why a skip mark skips it before it runs
 
 
-def _cause(problem: Problem) -> str:
-    """One line on why a test does not pass; a missing exercise says which one, wherever it was raised."""
-    missing = _MISSING.findall(problem.details)  # the last is the innermost: the traceback's own line
-    return missing[-1] if missing else problem.message
+@dataclass
+class Reference:
+    root: Path
+    files: list[Path]                     # what a copy of it holds
+    exercises: list[Exercise]
+    chapter_files: dict[int, list[str]]   # chapter -> its test files, relative
+    tests: dict[int, list[Test]]          # chapter -> its collected tests
+    warnings: list[str] = field(default_factory=list)
+
+    def maximum(self, chapter: int) -> int:
+        return sum(t.skip is None for t in self.tests.get(chapter, []))
+
+    def restricted(self, chapters: Iterable[int]) -> "Reference":
+        """The same reference, grading only these chapters (without collecting again)."""
+        chapters = [c for c in self.tests if c in set(chapters)]
+        return Reference(self.root, self.files, self.exercises, {c: self.chapter_files[c] for c in chapters},
+                         {c: self.tests[c] for c in chapters}, list(self.warnings))
 
 
-def _print_causes(chapter: int, problems: list[Problem], most: int = 5) -> None:
-    # One module-scoped fixture that fails takes every test using it down with the same message:
-    # show each cause once, with how many tests it costs.
-    by_cause: dict[str, list[str]] = {}
-    for problem in problems:
-        by_cause.setdefault(_cause(problem), []).append(problem.test)
-    for cause, tests in list(by_cause.items())[:most]:
-        also = f" and {len(tests) - 1} more" if len(tests) > 1 else ""
-        print(f"  chapter {chapter}: {tests[0]}{also}\n      {cause[:200]}")
-    if len(by_cause) > most:
-        print(f"  chapter {chapter}: ... and {len(by_cause) - most} other causes")
+def parse_chapters(chapters: Iterable[int] | str | None) -> list[int] | None:
+    if chapters is None or isinstance(chapters, (list, tuple, set)) and not chapters:
+        return None
+    if isinstance(chapters, str):
+        try:
+            return sorted({int(c) for c in chapters.replace(" ", "").split(",") if c})
+        except ValueError:
+            raise ValueError(f"--chapters takes chapter numbers separated by commas (e.g. 6,7), not {chapters!r}")
+    return sorted(set(chapters))
 
 
-def grade(path: str | Path = ".") -> int:
-    """Run each chapter's tests of the project (or student copy) at `path`; print a score table.
+def collect_reference(reference: str | Path | None, chapters: Iterable[int] | str | None, plugins: Path,
+                      timeout: float = DEFAULT_TIMEOUT) -> Reference:
+    """The reference's chapter tests and their marks, collected once (pytest --collect-only) in a copy of it."""
+    root = Path(reference).resolve() if reference is not None else default_reference()
+    if not (root / PACKAGE).is_dir():
+        raise FileNotFoundError(f"no {PACKAGE}/ package in the reference {root}")
+    files = project_files(root)
+    by_chapter: dict[int, list[str]] = {}
+    for rel in files:
+        if len(rel.parts) == 2 and rel.parts[0] == "tests" and _CHAPTER_TEST.fullmatch(rel.name):
+            by_chapter.setdefault(chapter_of(rel.name), []).append(rel.as_posix())
+    wanted = parse_chapters(chapters)
+    if wanted is not None:
+        unknown = [c for c in wanted if c not in by_chapter]
+        if unknown:
+            raise ValueError(f"chapter(s) {', '.join(map(str, unknown))} have no tests in {root / 'tests'} "
+                             f"(chapters with tests: {', '.join(map(str, sorted(by_chapter))) or 'none'})")
+        by_chapter = {c: by_chapter[c] for c in wanted}
+    by_chapter = dict(sorted(by_chapter.items()))
+    if not by_chapter:
+        raise ValueError(f"nothing to grade: no chapter tests (tests/test_chNN_*.py) in {root}")
 
-    Returns 0 when every test passed, 1 otherwise: usable as a command's exit status.
-    """
-    project = Path(path).resolve()
-    chapters = chapter_test_files(project) if project.is_dir() else {}
-    if not chapters:
-        print(f"Nothing to grade: no chapter tests (tests/test_chNN_*.py) in {project}")
-        return 1
+    ref = Reference(root, files, find_exercises(root), by_chapter, {c: [] for c in by_chapter})
+    with tempfile.TemporaryDirectory(prefix=f"{PACKAGE}-reference-") as tmp:
+        copy_files(root, Path(tmp), files)  # exactly what each graded copy will hold
+        run = run_pytest(tmp, ["--collect-only", *(f for fs in by_chapter.values() for f in fs)], plugins, timeout)
+    if run.report is None:
+        raise RuntimeError(f"could not collect the reference's tests in {root}:\n{run.output[-3000:]}")
+    for test in run.report["collected"]:
+        chapter = chapter_of(test["id"])
+        if chapter in ref.tests:
+            ref.tests[chapter].append(Test(test["id"], chapter, tuple(test["exercises"]), test["mechanism"],
+                                           test["skip"]))
+    for error in run.report["collect_errors"]:
+        ref.warnings.append(f"the reference's {error['id']} cannot be collected ({error['cause']}); its tests "
+                            f"are not graded")
+    known = {ex.id for ex in ref.exercises}
+    stray = sorted({e for ts in ref.tests.values() for t in ts for e in t.exercises} - known)
+    if stray:
+        ref.warnings.append(f"tests are marked with exercise(s) {', '.join(stray)}, which the reference's package "
+                            f"does not have")
+    return ref
 
-    print(f"Grading {project}\n")
-    print(f"{'chapter':>7}  {'passed':>9}  {'score':>5}")
-    all_passed, passed, total, not_passing = True, 0, 0, {}
-    for chapter in chapters:
-        returncode, counts = run_chapter_tests(project, chapter)
-        notes = [f"{n} {word}" for n, word in [(counts.failed, "failed"),
-                                               (counts.errors, "error" if counts.errors == 1 else "errors"),
-                                               (counts.skipped, "skipped")] if n]
-        print(f"{chapter:>7}  {f'{counts.passed}/{counts.total}':>9}  {_percent(counts.passed, counts.total):>5}"
-              f"  {', '.join(notes)}".rstrip(), flush=True)  # one row at a time: a chapter can take a while
-        all_passed &= returncode == 0 and counts.failed + counts.errors == 0
-        passed, total = passed + counts.passed, total + counts.total
-        if counts.problems:
-            not_passing[chapter] = counts.problems
-    print(f"{'total':>7}  {f'{passed}/{total}':>9}  {_percent(passed, total):>5}")
 
-    if not_passing:
-        print("\nNot passing yet:")
-        for chapter, problems in not_passing.items():
-            _print_causes(chapter, problems)
-        first = next(iter(not_passing))
-        print(f"\nThe full report of a chapter, e.g. chapter {first}:\n"
-              f"  cd {project} && python -m pytest -x tests/test_ch{first:02d}_*.py")
-    return 0 if all_passed else 1
+# -- scoring -------------------------------------------------------------------------------------------------
+
+def _score_chapter(ref: Reference, chapter: int, run: PytestRun) -> dict:
+    if run.timed_out:
+        status = f"stopped after {run.seconds:.0f} s (time limit)"
+    elif run.report is None:
+        tail = [line for line in run.output.strip().splitlines() if line.strip()][-1:]
+        status = f"pytest ended (exit code {run.returncode}) without a report: {tail[0] if tail else ''}".rstrip(": ")
+    else:
+        status = "ran"
+    results = run.report["results"] if run.report else {}
+    broken = {e["id"]: e["cause"] for e in (run.report or {}).get("collect_errors", [])}
+    passed, failed, skipped = [], [], []
+    for test in ref.tests[chapter]:
+        result = results.get(test.id)
+        if test.skip is not None:
+            skipped.append({"id": test.id, "cause": test.skip})
+        elif status != "ran":
+            failed.append({"id": test.id, "cause": status})
+        elif result is None:
+            file = test.id.split("::")[0]
+            cause = f"not collected: {broken[file]}" if file in broken else "did not run"
+            failed.append({"id": test.id, "cause": cause})
+        elif result["outcome"] == "passed":
+            passed.append(test.id)
+        elif result["outcome"] == "skipped":
+            skipped.append({"id": test.id, "cause": result["cause"] or "skipped"})
+        else:
+            failed.append({"id": test.id, "cause": result["cause"] or result["outcome"]})
+    return {"chapter": chapter, "score": len(passed), "max": len(passed) + len(failed), "status": status,
+            "seconds": round(run.seconds, 1), "passed": passed, "failed": failed, "skipped": skipped}
+
+
+def _score_exercises(ref: Reference, graded: list[Exercise], chapters: dict[int, dict],
+                     missing: dict[str, str]) -> list[dict]:
+    outcome: dict[str, bool | None] = {}  # test id -> passed (None: skipped)
+    for chapter in chapters.values():
+        outcome.update({t: True for t in chapter["passed"]})
+        outcome.update({t["id"]: False for t in chapter["failed"]})
+        outcome.update({t["id"]: None for t in chapter["skipped"]})
+    rows = []
+    for ex in graded:
+        tests = [t for c in chapters for t in ref.tests[c] if ex.id in t.exercises and outcome.get(t.id) is not None]
+        mechanism = [t for t in tests if t.mechanism]
+        rows.append({"id": ex.id, "chapter": ex.chapter, "title": ex.title,
+                     "from_submission": ex.id not in missing, "note": missing.get(ex.id),
+                     "score": sum(outcome[t.id] for t in tests), "max": len(tests),
+                     "mechanism": {"score": sum(outcome[t.id] for t in mechanism), "max": len(mechanism)},
+                     "tests": [t.id for t in tests], "failed": [t.id for t in tests if not outcome[t.id]]})
+    return rows
+
+
+def grade_submission(submission: str | Path, ref: Reference, plugins: Path, timeout: float = DEFAULT_TIMEOUT,
+                     junit_dir: str | Path | None = None, progress=None) -> dict:
+    """Grade one submission on the reference's tests; the result is what --json writes."""
+    submission = Path(submission).resolve()
+    if not submission.is_dir():
+        raise FileNotFoundError(f"no submission at {submission}")
+    started = time.monotonic()
+    chapters: dict[int, dict] = {}
+    with tempfile.TemporaryDirectory(prefix=f"{PACKAGE}-graded-") as tmp:
+        copy = Path(tmp) / "project"
+        # A submission kept inside the reference's directory is not part of the reference.
+        inside = submission != ref.root and submission.is_relative_to(ref.root)
+        ref_files = [f for f in ref.files if not (inside and (ref.root / f).is_relative_to(submission))]
+        assembly = assemble(ref.root, submission, copy, chapters=list(ref.tests), ref_files=ref_files)
+        for chapter, files in ref.chapter_files.items():
+            args = list(files)
+            if junit_dir is not None:
+                Path(junit_dir).mkdir(parents=True, exist_ok=True)
+                args.append(f"--junitxml={Path(junit_dir).resolve() / f'chapter_{chapter:02d}.xml'}")
+            run = run_pytest(copy, args, plugins, timeout, keep_out=[submission])
+            chapters[chapter] = _score_chapter(ref, chapter, run)
+            if progress is not None:
+                progress(chapters[chapter])
+    graded = [ex for ex in ref.exercises if ex.id in set(assembly.graded)]
+    exercises = _score_exercises(ref, graded, chapters, assembly.missing)
+    warnings = list(ref.warnings) + assembly.warnings
+    warnings += [f"chapter {ex.chapter}'s exercise {ex.id} has no tests marked exercise(\"{ex.id}\"); only its "
+                 f"chapter's score shows it" for ex, row in zip(graded, exercises) if row["max"] == 0]
+    return {
+        "submission": str(submission), "reference": str(ref.root), "chapters_graded": list(chapters),
+        "chapters": list(chapters.values()), "exercises": exercises,
+        "total": {"score": sum(c["score"] for c in chapters.values()),
+                  "max": sum(c["max"] for c in chapters.values())},
+        "edits_outside_exercises": [{"path": e.path, "kind": e.kind, "what": e.what} for e in assembly.edits],
+        "warnings": warnings, "seconds": round(time.monotonic() - started, 1),
+    }
+
+
+# -- the commands --------------------------------------------------------------------------------------------
+
+def _write_json(path: str | Path, data: dict) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+
+
+def grade(submission: str | Path = ".", reference: str | Path | None = None,
+          chapters: Iterable[int] | str | None = None, timeout: float = DEFAULT_TIMEOUT,
+          json_path: str | Path | None = None, gradescope: str | Path | None = None,
+          junit_dir: str | Path | None = None) -> int:
+    """Grade one submission, print the table, write what was asked for; 0 if every test passed, else 1."""
+    from minifsdp.course.report import gradescope_results, print_chapter_row, print_report, print_header
+
+    with plugin_dir() as plugins:
+        ref = collect_reference(reference, chapters, plugins, timeout)
+        print_header(Path(submission).resolve(), ref)
+        result = grade_submission(submission, ref, plugins, timeout, junit_dir, progress=print_chapter_row)
+    print_report(result)
+    if json_path:
+        _write_json(json_path, result)
+    if gradescope:
+        _write_json(gradescope, gradescope_results(result))
+    total = result["total"]
+    return 0 if total["score"] == total["max"] and all(e["from_submission"] for e in result["exercises"]) else 1
+
+
+def grade_all(directory: str | Path, reference: str | Path | None = None,
+              chapters: Iterable[int] | str | None = None, out: str | Path = "grades",
+              timeout: float = DEFAULT_TIMEOUT) -> int:
+    """Grade each immediate subdirectory of `directory` as one submission; write OUT/<name>.json and
+    OUT/summary.csv. One submission that breaks the grader gets a row of zeros, never stops the class."""
+    from minifsdp.course.report import summary_row, write_summary
+
+    directory, out = Path(directory).resolve(), Path(out).resolve()
+    if not directory.is_dir():
+        raise FileNotFoundError(f"no directory of submissions at {directory}")
+    submissions = sorted(d for d in directory.iterdir() if d.is_dir() and not d.name.startswith(".") and d != out)
+    if not submissions:
+        raise FileNotFoundError(f"no submissions (subdirectories) in {directory}")
+    rows = []
+    with plugin_dir() as plugins:
+        ref = collect_reference(reference, chapters, plugins, timeout)
+        print(f"Grading {len(submissions)} submissions in {directory} against {ref.root} "
+              f"(chapters {', '.join(map(str, ref.tests))})")
+        for sub in submissions:
+            try:
+                result = grade_submission(sub, ref, plugins, timeout)
+                error = None
+            except Exception as e:  # noqa: BLE001 -- any failure is this submission's row, not the class's end
+                result, error = None, f"{type(e).__name__}: {e}"
+            _write_json(out / f"{sub.name}.json", result or {"submission": str(sub), "error": error})
+            rows.append(summary_row(sub.name, ref, result, error))
+            row = rows[-1]
+            edits = row["edits_outside_exercises"]
+            print(f"  {sub.name:<30} {row['total']:>5}/{row['total_max']:<5}"
+                  + (f"  {edits} edit(s) outside the exercises" if edits else "")
+                  + (f"  ERROR {error}" if error else ""), flush=True)
+    write_summary(out / "summary.csv", rows)
+    print(f"Results: {out / 'summary.csv'} and one JSON file per submission in {out}")
+    return 0

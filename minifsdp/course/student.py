@@ -7,38 +7,43 @@ the same indentation as the code they enclose:
     ...the solution...
     # END EXERCISE
 
-The id is "chapter.k". A *student copy* of the project replaces each block, markers included, by one line
+The id is "chapter.k". A *student copy* of the project keeps the two markers and replaces what is
+between them by one line
 
     raise NotImplementedError("Exercise 1.2: flatten the bucket's gradients, average them with an async all-reduce")
 
 so the package still imports, and that chapter's tests (tests/test_chNN_*.py) fail until the student
-writes the code back. The grader runs each chapter's tests against a project, or a student copy of it,
-and prints a score per chapter:
+writes the code back -- between the markers, which is where the grader (grade.py) takes it from:
 
-    python -m minifsdp student my_copy              # every exercise removed (--only 1.2: just that one)
+    python -m minifsdp student my_copy              # every exercise removed (--only 1.2, --chapters 6,7)
     python -m minifsdp grade my_copy
 
-From Python: `find_exercises`, `strip_solutions`, `write_student_copy`; grading lives in grade.py.
+A student copy holds what git would commit (tracked and untracked files, nothing ignored) when the
+project is a git work tree, and otherwise the project's files less caches and build outputs.
+
+From Python: `find_exercises`, `strip_solutions`, `write_student_copy`, `project_files`.
 """
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import os
 import re
 import shutil
+import subprocess
 import tokenize
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
+from typing import Callable, Iterable, NamedTuple
 
 PACKAGE = "minifsdp"
 
 # Directories that are never part of a student copy: version control, caches, and things that are built
 # (the docs site, wheels, egg-info). The student gets the sources and regenerates the rest.
 _SKIP_DIRS = {".git", "__pycache__", "site", "build", "dist", ".pytest_cache", ".ipynb_checkpoints",
-              ".benchmarks", ".hypothesis", ".mypy_cache", ".ruff_cache", ".venv"}
+              ".benchmarks", ".hypothesis", ".mypy_cache", ".ruff_cache", ".venv", "node_modules"}
 _SKIP_SUFFIXES = (".egg-info", ".pyc", ".pyo")
 
 # A marker is any comment starting like one; anything after that must then be well formed, so a typo
@@ -71,6 +76,9 @@ def _parse(text: str, path: str | Path = "<string>") -> list[_Block]:
     """Every exercise block in one file's text, with its markers checked."""
     def where(line: int) -> str:
         return f"{path}, line {line}"
+
+    if "EXERCISE" not in text:  # most files: no marker can be there, and tokenizing is the slow part
+        return []
 
     # Only real comments count: a docstring that shows the convention (this module's does) is not a block.
     try:
@@ -126,29 +134,46 @@ def _placeholder(exercise: Exercise) -> str:
     return f"raise NotImplementedError({json.dumps(str(exercise), ensure_ascii=False)})"
 
 
-def _strip(text: str, only: str | None, path: str | Path) -> tuple[str, list[tuple[Exercise, int]]]:
+def placeholder_line(exercise: Exercise, indent: str, newline: str = "\n") -> str:
+    """The line a student copy has between an exercise's markers."""
+    return indent + _placeholder(exercise) + newline
+
+
+def _newline(line: str) -> str:
+    return line[len(line.rstrip("\r\n")):] or "\n"
+
+
+def _strip(text: str, chosen: Callable[[Exercise], bool],
+           path: str | Path) -> tuple[str, list[tuple[Exercise, int]]]:
     """The stripped text, and each removed exercise with the line its placeholder lands on."""
     lines = text.splitlines(keepends=True)
     removed: list[tuple[Exercise, int]] = []
-    shift = 0  # how many lines the blocks removed so far have taken away
-    for block in _parse(text, path):
+    shift = 0  # how many lines the blocks replaced so far have taken away
+    for block in _parse_once(text, str(path)):
         ex = block.exercise
-        if only is not None and ex.id != only:
+        if not chosen(ex):
             continue
-        first, last = ex.begin - 1 - shift, ex.end - 1 - shift
-        newline = lines[first][len(lines[first].rstrip("\r\n")):] or "\n"
-        lines[first:last + 1] = [block.indent + _placeholder(ex) + newline]
-        removed.append((ex, first + 1))
-        shift += ex.end - ex.begin
+        # The markers stay: the student writes between them, and the grader reads what is there.
+        begin, end = ex.begin - 1 - shift, ex.end - 1 - shift  # 0-based lines of the two markers
+        lines[begin + 1:end] = [placeholder_line(ex, block.indent, _newline(lines[begin]))]
+        removed.append((ex, begin + 2))
+        shift += end - begin - 2
     return "".join(lines), removed
 
 
-def strip_solutions(text: str, only: str | None = None, path: str | Path = "<string>") -> str:
-    """`text` with every exercise block (or just exercise `only`, e.g. "1.2") replaced by a raise.
+def _chooser(only: str | None, chapters: Iterable[int] | None) -> Callable[[Exercise], bool]:
+    wanted = None if chapters is None else set(chapters)
+    return lambda ex: (only is None or ex.id == only) and (wanted is None or ex.chapter in wanted)
 
+
+def strip_solutions(text: str, only: str | None = None, path: str | Path = "<string>",
+                    chapters: Iterable[int] | None = None) -> str:
+    """`text` with the code inside every exercise block replaced by a raise; the markers stay.
+
+    only: just this exercise (e.g. "1.2"); chapters: just the exercises of these chapters.
     Malformed markers raise ValueError naming `path` and the line.
     """
-    return _strip(text, only, path)[0]
+    return _strip(text, _chooser(only, chapters), path)[0]
 
 
 def _package_sources(root: Path) -> list[Path]:
@@ -158,11 +183,18 @@ def _package_sources(root: Path) -> list[Path]:
     return sorted(p for p in package.rglob("*.py") if "__pycache__" not in p.parts)
 
 
+@functools.lru_cache(maxsize=64)
+def _parse_once(text: str, path: str) -> tuple[_Block, ...]:
+    # A student copy reads every exercise twice (find, then strip), the removal check once per exercise:
+    # tokenizing is what that costs, so a file's text is tokenized once.
+    return tuple(_parse(text, path))
+
+
 def find_exercises(root: str | Path = ".") -> list[Exercise]:
     """Every exercise in the package under `root`, ordered by id. Bad or duplicated markers raise ValueError."""
     found: dict[str, Exercise] = {}
     for path in _package_sources(Path(root)):
-        for block in _parse(path.read_text(encoding="utf-8"), path):
+        for block in _parse_once(path.read_text(encoding="utf-8"), str(path)):
             ex = block.exercise
             if ex.id in found:
                 first = found[ex.id]
@@ -179,36 +211,74 @@ def _id_order(exercise: Exercise) -> tuple[int, int]:
 
 # -- the student copy ---------------------------------------------------------------------------------------
 
-def _copy_tree(src: Path, out: Path) -> None:
-    """Copy the project's files; links stay links, so a link to a big dataset is not duplicated."""
-    for dirpath, dirnames, filenames in os.walk(src):
+def _git_files(root: Path) -> list[Path] | None:
+    """What git would commit under `root` (tracked, or untracked and not ignored); None if not a work tree."""
+    try:
+        inside = subprocess.run(["git", "-C", str(root), "rev-parse", "--is-inside-work-tree"],
+                                capture_output=True, text=True, timeout=60)
+        if inside.returncode != 0 or inside.stdout.strip() != "true":
+            return None
+        listed = subprocess.run(["git", "-C", str(root), "ls-files", "-z", "--cached", "--others",
+                                 "--exclude-standard"], capture_output=True, timeout=60, check=True)
+    except (OSError, subprocess.SubprocessError):  # no git at all: the walk below stands in
+        return None
+    names = sorted({name for name in listed.stdout.decode("utf-8", "surrogateescape").split("\0") if name})
+    return [Path(name) for name in names]
+
+
+def walk_files(root: Path, skip: Path | None = None) -> list[Path]:
+    """The project's files (relative paths) less caches, build outputs and version control; links are not
+    followed, so a link to a big dataset is listed once, as a link."""
+    found: list[Path] = []
+    for dirpath, dirnames, filenames in os.walk(root):
         here = Path(dirpath)
-        target = out / here.relative_to(src)
-        target.mkdir(parents=True, exist_ok=True)
         keep = []
         for name in sorted(dirnames):
-            if name in _SKIP_DIRS or name.endswith(_SKIP_SUFFIXES) or (here / name).resolve() == out:
+            if name in _SKIP_DIRS or name.endswith(_SKIP_SUFFIXES) or (skip and (here / name).resolve() == skip) \
+                    or (here / name / "pyvenv.cfg").is_file():  # a virtual environment, whatever its name
                 continue
             if (here / name).is_symlink():
-                os.symlink(os.readlink(here / name), target / name)
-                continue
-            keep.append(name)
-        dirnames[:] = keep
-        for name in filenames:
-            if name.endswith(_SKIP_SUFFIXES):
-                continue
-            if (here / name).is_symlink():
-                os.symlink(os.readlink(here / name), target / name)
+                found.append((here / name).relative_to(root))
             else:
-                shutil.copy2(here / name, target / name)
+                keep.append(name)
+        dirnames[:] = keep
+        found += [(here / name).relative_to(root) for name in filenames if not name.endswith(_SKIP_SUFFIXES)]
+    return sorted(found)
 
 
-def write_student_copy(src_root: str | Path = ".", out_dir: str | Path = "student",
-                       only: str | None = None) -> list[Exercise]:
+def project_files(root: str | Path, skip: str | Path | None = None) -> list[Path]:
+    """The files (relative paths) that make up the project at `root`: what git lists when it is a git work
+    tree, else the walk's. `skip`: a directory left out (a student copy being written inside the project)."""
+    root = Path(root).resolve()
+    skip = Path(skip).resolve() if skip is not None else None
+    listed = _git_files(root)
+    if not listed:
+        return walk_files(root, skip)
+    inside = skip.relative_to(root) if skip is not None and skip.is_relative_to(root) else None
+    return [rel for rel in listed if os.path.lexists(root / rel)  # a deleted but still tracked file: gone
+            and not (inside is not None and rel.is_relative_to(inside))]
+
+
+def copy_files(src: Path, out: Path, files: Iterable[Path]) -> None:
+    """Copy these files of `src` to `out`; links stay links."""
+    for rel in files:
+        source, target = src / rel, out / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if source.is_symlink():
+            os.symlink(os.readlink(source), target)
+        elif source.is_dir():  # a git submodule: its own files
+            shutil.copytree(source, target, symlinks=True, dirs_exist_ok=True)
+        else:
+            shutil.copy2(source, target)
+
+
+def write_student_copy(src_root: str | Path = ".", out_dir: str | Path = "student", only: str | None = None,
+                       chapters: Iterable[int] | None = None, quiet: bool = False) -> list[Exercise]:
     """Copy the project at `src_root` to `out_dir` with the exercise solutions removed; return those removed.
 
-    only: remove just this exercise (e.g. "1.2"), leaving the others solved.
-    Refuses an `out_dir` that exists and is not empty: it may hold a student's work.
+    only: remove just this exercise (e.g. "1.2"); chapters: just these chapters' exercises. The others
+    stay solved. Refuses an `out_dir` that exists and is not empty: it may hold a student's work.
+    quiet: print nothing (else: what was removed, and where).
     """
     src, out = Path(src_root).resolve(), Path(out_dir).resolve()
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -217,16 +287,23 @@ def write_student_copy(src_root: str | Path = ".", out_dir: str | Path = "studen
                               f"directory, or remove this one yourself.")
 
     exercises = find_exercises(src)
+    known = ", ".join(e.id for e in exercises) or "none"
     if only is not None and only not in {e.id for e in exercises}:
-        known = ", ".join(e.id for e in exercises) or "none"
         raise ValueError(f"no exercise {only!r} in {src / PACKAGE} (exercises: {known})")
+    if chapters is not None:
+        chapters = sorted(set(chapters))
+        empty = [c for c in chapters if not any(e.chapter == c for e in exercises)]
+        if empty:
+            raise ValueError(f"chapter(s) {', '.join(map(str, empty))} have no exercise in {src / PACKAGE} "
+                             f"(exercises: {known})")
 
     # Strip everything in memory first: a bad marker must stop us before a half-made copy exists.
+    files = project_files(src, skip=out)
     stripped: dict[Path, str] = {}
     removed: list[tuple[Exercise, int]] = []
     for path in _package_sources(src):
         rel = path.relative_to(src)
-        text, gone = _strip(path.read_text(encoding="utf-8"), only, rel)
+        text, gone = _strip(path.read_text(encoding="utf-8"), _chooser(only, chapters), path)
         if gone:
             try:
                 compile(text, str(rel), "exec", dont_inherit=True)
@@ -238,14 +315,19 @@ def write_student_copy(src_root: str | Path = ".", out_dir: str | Path = "studen
             removed += gone
 
     removed.sort(key=lambda gone: _id_order(gone[0]))
-    _copy_tree(src, out)
+    out.mkdir(parents=True, exist_ok=True)
+    copy_files(src, out, files)
     for rel, text in stripped.items():
+        (out / rel).parent.mkdir(parents=True, exist_ok=True)
+        (out / rel).unlink(missing_ok=True)  # a link is copied as a link: never write through it
         (out / rel).write_text(text, encoding="utf-8")
 
-    print(f"Student copy of {src} written to {out}")
-    print(f"{len(removed)} exercise(s) removed; each now raises NotImplementedError until it is written:")
-    for ex, line in removed:
-        print(f"  {ex.id:>5}  {ex.path}:{line}  {ex.title}")
-    print(f"Grade the work, chapter by chapter, with:\n  python -m {PACKAGE} grade {out}")
+    if not quiet:
+        print(f"Student copy of {src} written to {out}")
+        print(f"{len(removed)} exercise(s) removed; each now raises NotImplementedError until it is written "
+              f"between its markers:")
+        for ex, line in removed:
+            print(f"  {ex.id:>5}  {ex.path.relative_to(src)}:{line}  {ex.title}")
+        print(f"Grade the work, chapter by chapter, with:\n  python -m {PACKAGE} grade {out}")
     gone = {ex.id for ex, _ in removed}
     return [ex for ex in exercises if ex.id in gone]

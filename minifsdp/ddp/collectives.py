@@ -15,17 +15,19 @@ from minifsdp.distributed import comm
 
 # --8<-- [start:all_reduce_by_parts]
 def all_reduce_by_parts(tensor: torch.Tensor, group=None) -> torch.Tensor:
-    """An all-reduce (sum) built from its two halves: reduce-scatter, then all-gather.
+    """An all-reduce (sum) built from its two halves: reduce-scatter, then
+    all-gather.
 
-    Each rank ends the reduce-scatter owning the sum of one 1/N chunk; the all-gather hands every rank
-    every chunk. Each half sends (N-1)/N of the data per rank, so together 2(N-1)/N: exactly what a ring
-    all-reduce costs. ZeRO is this observation put to work: stop after the first half and each rank holds
-    the reduced gradients of just its own shard.
+    Each rank ends the reduce-scatter owning the sum of one 1/N chunk; the
+    all-gather hands every rank every chunk. Each half sends (N-1)/N of the data
+    per rank, so together 2(N-1)/N: exactly what a ring all-reduce costs. ZeRO
+    is this observation put to work: stop after the first half and each rank
+    holds the reduced gradients of just its own shard.
     """
     n = comm.world_size(group)
     flat = tensor.reshape(-1)
     # BEGIN EXERCISE 1.1: all-reduce = reduce-scatter + all-gather (pad so the length divides by N)
-    chunk = -(-flat.numel() // n)  # ceil: pad so every rank's chunk has the same size
+    chunk = -(-flat.numel() // n)  # ceil: every rank's chunk the same size
     padded = torch.zeros(chunk * n, dtype=flat.dtype, device=flat.device)
     padded[: flat.numel()] = flat
     mine = torch.empty(chunk, dtype=flat.dtype, device=flat.device)

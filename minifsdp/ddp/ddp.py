@@ -63,8 +63,10 @@ class DistributedDataParallel(nn.Module):
     """
 
     # --8<-- [start:init]
-    def __init__(self, module: nn.Module, bucket_cap_mb: float = 25.0, broadcast_buffers: bool = True,
-                 find_unused_parameters: bool = False, mixed_precision: MixedPrecision | None = None,
+    def __init__(self, module: nn.Module, bucket_cap_mb: float = 25.0,
+                 broadcast_buffers: bool = True,
+                 find_unused_parameters: bool = False,
+                 mixed_precision: MixedPrecision | None = None,
                  process_group=None, *, init_sync: bool = True):
         super().__init__()
         comm.require_process_group()
@@ -72,21 +74,19 @@ class DistributedDataParallel(nn.Module):
         check_bucket_cap_mb(bucket_cap_mb)
         self.module = module
         self.process_group = process_group
-        self.mixed_precision = mixed_precision
-        check_master_dtype(mixed_precision, module.named_parameters())
-        cast_buffers(module, mixed_precision)
-        self._scaled_before_forward = scaled_losses()
+        self._set_mixed_precision(mixed_precision)  # chapter 8 (None: all fp32)
         self.broadcast_buffers = broadcast_buffers
         self.find_unused_parameters = find_unused_parameters
-        self.require_backward_grad_sync = True   # set by no_sync(), read by forward
-        self._sync_backward = True               # what the last forward decided (the first: buffers go out)
+        self.require_backward_grad_sync = True  # set by no_sync(), read by forward
+        self._sync_backward = True  # the last forward's decision (at first: sync)
         self.world_size = comm.world_size(process_group)
-        if init_sync:  # (torch's name; False trusts the ranks to have built the same model)
-            comm.sync_from_rank0(list(module.named_parameters()) + list(module.named_buffers()), process_group)
+        if init_sync:  # (torch's name; False trusts every rank to build the same)
+            state = list(module.named_parameters()) + list(module.named_buffers())
+            comm.sync_from_rank0(state, process_group)
 
         self._names = {p: n for n, p in module.named_parameters()}
         self._cap = int(bucket_cap_mb * 1024 * 1024)
-        self._next = 0                # buckets are launched strictly in order: same order on every rank
+        self._next = 0  # buckets launch strictly in order, the same on every rank
         self._finish_queued = False
         self._unused = set()
         self._hooks = []
@@ -95,14 +95,19 @@ class DistributedDataParallel(nn.Module):
     def _setup_buckets_and_hooks(self) -> None:
         for hook in self._hooks:
             hook.remove()
-        params = [p for p in self.module.parameters() if p.requires_grad]  # frozen ones never communicate
-        # Until we have seen a backward pass, guess that gradients arrive in reverse registration order
-        # (torch's guess too, and like torch keep registration order inside each bucket).
+        # frozen parameters never communicate
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        # Until we have seen a backward pass, guess that gradients arrive in
+        # reverse registration order (torch's guess too; like torch, keep
+        # registration order inside each bucket).
         self._set_buckets(self._bucket_groups(params))
-        # After the first backward, rebuild the buckets in the order gradients really arrived, as torch
-        # does -- unless some parameters may be unused, when that order can differ between ranks.
-        self._arrivals, self._rebuilt = [], self.find_unused_parameters or not self.rebuild_buckets
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
+        # After the first backward, rebuild the buckets in the order gradients
+        # really arrived, as torch does -- unless some parameters may be unused,
+        # when that order can differ between ranks.
+        self._rebuilt = self.find_unused_parameters or not self.rebuild_buckets
+        self._arrivals = []
+        hook = self._on_grad_ready
+        self._hooks = [p.register_post_accumulate_grad_hook(hook) for p in params]
     # --8<-- [end:init]
 
     rebuild_buckets = True
@@ -117,38 +122,59 @@ class DistributedDataParallel(nn.Module):
     # -- forward: prepare the bookkeeping for the coming backward ------------------------------------------
     # --8<-- [start:forward]
     def forward(self, *args, **kwargs):
-        # torch's rule: buffers are re-broadcast only when the previous forward led to a synced backward --
-        # not after a forward under no_sync() or no_grad, whose buffer updates each rank keeps.
+        # torch's rule: buffers are re-broadcast only when the previous forward
+        # led to a synced backward -- not after a forward under no_sync() or
+        # no_grad, whose buffer updates each rank keeps.
         if self.broadcast_buffers and self._sync_backward:
-            comm.broadcast_tensors(self.module.buffers(), src=0, group=self.process_group)
-        self._scaled_before_forward = scaled_losses()
-        out = self._compute(*cast_inputs(self.mixed_precision, args, kwargs))
-        # Whether the coming backward averages the gradients is decided now, as in torch: no_sync() must
-        # surround the forward; around the backward alone it changes nothing.
-        self._sync_backward = torch.is_grad_enabled() and self.require_backward_grad_sync
-        if self._sync_backward:
+            buffers = self.module.buffers()
+            comm.broadcast_tensors(buffers, src=0, group=self.process_group)
+        out = self._compute(args, kwargs)
+        # Whether the coming backward averages the gradients is decided now, as
+        # in torch: no_sync() must surround the forward; around the backward
+        # alone it changes nothing.
+        sync = torch.is_grad_enabled() and self.require_backward_grad_sync
+        self._sync_backward = sync
+        if sync:
             for b in self._buckets:
                 b.ready = 0
             self._next = 0
             self._unused = set()
             if self.find_unused_parameters:
-                # Parameters the autograd graph cannot reach will get no gradient: count them ready now,
-                # so every rank still completes and launches every bucket, in the same order.
-                self._unused = set(self._bucket_of) - _params_reached_from(out)
+                # Parameters the autograd graph cannot reach get no gradient:
+                # count them ready now, so every rank still completes and
+                # launches every bucket, in the same order.
+                reached = _params_reached_from(out)
+                self._unused = set(self._bucket_of) - reached
                 for p in self._unused:
                     self._bucket_of[p].ready += 1
         return out
+    # --8<-- [end:forward]
+
+    # -- chapter 8: mixed precision ------------------------------------------------------------------------
+    # --8<-- [start:compute]
+    def _set_mixed_precision(self, mp: MixedPrecision | None) -> None:
+        """Check that the parameters are fp32 (the master weights), cast the
+        buffers, and start counting the losses a loss scaler scales (_finish
+        warns about an fp16 backward without one)."""
+        self.mixed_precision = mp
+        check_master_dtype(mp, self.module.named_parameters())
+        cast_buffers(self.module, mp)
+        self._scaled_before_forward = scaled_losses()
 
     def _compute(self, args, kwargs):
-        """The module's forward -- with mixed precision (chapter 8), on a param_dtype cast of its parameters.
-        The casts are part of the autograd graph, so each gradient arrives in fp32 .grad as the exact
+        """The module's forward -- with mixed precision, on a param_dtype cast of
+        its parameters (and of its floating-point inputs). The casts are part of
+        the autograd graph, so each gradient arrives in fp32 .grad as the exact
         upcast of the low-precision one, and the hooks below fire as usual."""
-        if self.mixed_precision is None or self.mixed_precision.param_dtype is None:
+        mp = self.mixed_precision
+        self._scaled_before_forward = scaled_losses()
+        args, kwargs = cast_inputs(mp, args, kwargs)
+        if mp is None or mp.param_dtype is None:
             return self.module(*args, **kwargs)
-        dtype = self.mixed_precision.param_dtype
-        cast = {name: p.to(dtype) for name, p in self.module.named_parameters()}
+        params = self.module.named_parameters()
+        cast = {name: p.to(mp.param_dtype) for name, p in params}
         return torch.func.functional_call(self.module, cast, args, kwargs)
-    # --8<-- [end:forward]
+    # --8<-- [end:compute]
 
     # -- backward: hooks fire as gradients land ------------------------------------------------------------
     # --8<-- [start:hooks]
@@ -156,8 +182,10 @@ class DistributedDataParallel(nn.Module):
         if not self._sync_backward:
             return  # its forward ran inside no_sync(): gradients accumulate locally
         if not self._finish_queued:
-            # Runs once the whole backward pass is done, on the same thread, before backward() returns.
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+            # Runs once the whole backward pass is done, on the same thread,
+            # before backward() returns.
+            engine = torch.autograd.Variable._execution_engine
+            engine.queue_callback(self._finish)
             self._finish_queued = True
         if not self._rebuilt:
             self._arrivals.append(p)
@@ -165,27 +193,36 @@ class DistributedDataParallel(nn.Module):
         self._launch_ready_buckets()
 
     def _launch_ready_buckets(self) -> None:
-        while self._next < len(self._buckets) and \
-                self._buckets[self._next].ready == len(self._buckets[self._next].params):
-            self._launch(self._buckets[self._next])
+        buckets = self._buckets
+        while self._next < len(buckets) and \
+                buckets[self._next].ready == len(buckets[self._next].params):
+            self._launch(buckets[self._next])
             self._next += 1
 
     def _flatten(self, bucket: _Bucket, release: bool = False) -> torch.Tensor:
-        """The bucket's gradients as one flat tensor, already multiplied by 1/N. release=True drops each .grad
-        as soon as it is copied (ZeRO-2 needs them no more), so the bucket is never held twice."""
-        dtype = functools.reduce(torch.promote_types, [p.dtype for p in bucket.params])
-        if self.mixed_precision is not None and self.mixed_precision.grad_dtype is not None:
-            dtype = self.mixed_precision.grad_dtype  # chapter 8: averaged in reduce_dtype
-        flat = torch.empty(sum(p.numel() for p in bucket.params), dtype=dtype, device=bucket.params[0].device)
+        """The bucket's gradients as one flat tensor, already multiplied by 1/N.
+        release=True drops each .grad as soon as it is copied (ZeRO-2 needs them
+        no more), so the bucket is never held twice."""
+        dtypes = [p.dtype for p in bucket.params]
+        dtype = functools.reduce(torch.promote_types, dtypes)
+        mp = self.mixed_precision
+        if mp is not None and mp.grad_dtype is not None:
+            dtype = mp.grad_dtype  # chapter 8: averaged in reduce_dtype
+        size = sum(p.numel() for p in bucket.params)
+        flat = torch.empty(size, dtype=dtype, device=bucket.params[0].device)
         offset = 0
         for p in bucket.params:
             piece = flat[offset: offset + p.numel()]
-            piece.zero_() if p.grad is None else piece.copy_(p.grad.reshape(-1))
+            if p.grad is None:
+                piece.zero_()
+            else:
+                piece.copy_(p.grad.reshape(-1))
             offset += p.numel()
             if release:
                 p.grad = None
-        # Average by multiplying by 1/N before the sum, exactly as torch's DDP does while filling its
-        # buckets: the same rounding, so the same bits. (x * (1/3) and x / 3 can differ in the last bit.)
+        # Average by multiplying by 1/N before the sum, exactly as torch's DDP
+        # does while filling its buckets: the same rounding, so the same bits.
+        # (x * (1/3) and x / 3 can differ in the last bit.)
         return flat.mul_(1.0 / self.world_size)
 
     def _launch(self, bucket: _Bucket) -> None:
@@ -198,22 +235,27 @@ class DistributedDataParallel(nn.Module):
 
     # --8<-- [start:finish]
     def _finish(self) -> None:
-        """End of backward: every bucket must have been launched; wait for them and write .grad back."""
+        """End of backward: every bucket must have been launched; wait for them
+        and write .grad back."""
         self._finish_queued = False
         warn_if_unscaled(self.mixed_precision, self._scaled_before_forward)
         if self._next < len(self._buckets):
-            missing = [self._names[p] for b in self._buckets[self._next:] for p in b.params if p.grad is None]
+            missing = [self._names[p] for b in self._buckets[self._next:]
+                       for p in b.params if p.grad is None]
             raise RuntimeError(
-                f"{type(self).__name__}: these parameters received no gradient in this backward pass, so "
-                f"their buckets could never be reduced: {missing}. If some parameters are legitimately unused "
-                f"in a step, pass find_unused_parameters=True.")
+                f"{type(self).__name__}: these parameters received no gradient "
+                f"in this backward pass, so their buckets could never be "
+                f"reduced: {missing}. If some parameters are legitimately "
+                f"unused in a step, pass find_unused_parameters=True.")
         self._finish_buckets()
         if not self._rebuilt:
             self._set_buckets(_pack(self._arrivals, self._cap))
             self._arrivals, self._rebuilt = [], True
 
     def _finish_buckets(self) -> None:
-        globally_used = self._globally_used() if self.find_unused_parameters else None
+        globally_used = None
+        if self.find_unused_parameters:
+            globally_used = self._globally_used()
         for bucket in self._buckets:
             self._write_back(bucket, globally_used)
             bucket.handle = bucket.flat = None
@@ -228,9 +270,11 @@ class DistributedDataParallel(nn.Module):
             if p.grad is not None:
                 p.grad.copy_(average)
             elif globally_used is None or globally_used[p]:
-                p.grad = average.to(p.dtype, copy=True)  # unused here, used elsewhere: it gets the average
+                # unused here, used elsewhere: it gets the average
+                p.grad = average.to(p.dtype, copy=True)
         # END EXERCISE
-        comm.release(bucket.flat)  # copied out: free it now (comm.release says why not just drop it)
+        # copied out: free it now (comm.release says why not just drop it)
+        comm.release(bucket.flat)
     # --8<-- [end:finish]
 
     def _globally_used(self) -> dict:
@@ -243,9 +287,11 @@ class DistributedDataParallel(nn.Module):
     # --8<-- [start:no_sync]
     @contextlib.contextmanager
     def no_sync(self):
-        """Accumulate gradients locally (no communication) in the backward passes of the forwards run inside
-        this block (the forward is where the decision is taken, as in torch)."""
-        previous, self.require_backward_grad_sync = self.require_backward_grad_sync, False
+        """Accumulate gradients locally (no communication) in the backward passes
+        of the forwards run inside this block (the forward is where the decision
+        is taken, as in torch)."""
+        previous = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
         try:
             yield
         finally:

@@ -98,7 +98,8 @@ def group_name(group=None) -> str:
 
 # --8<-- [start:ring_bytes]
 def ring_bytes(kind: str, nbytes: int, n: int) -> float:
-    """Bytes one rank sends for a collective over `nbytes` (the full, unsharded size) on a ring of n ranks."""
+    """Bytes one rank sends for a collective over `nbytes` (the full, unsharded
+    size) on a ring of n ranks."""
     if kind == "all_reduce":
         return 2 * nbytes * (n - 1) / n
     if kind in ("reduce_scatter", "all_gather", "broadcast", "reduce"):
@@ -248,21 +249,28 @@ _issued: collections.Counter = collections.Counter()  # group name -> collective
 
 
 # --8<-- [start:issue]
-def _issue(kind: str, nbytes: int, call, async_op: bool, tag: str, group, device=None):
-    """Count, call, and (for a blocking call) wait: the bookkeeping every collective shares."""
+def _issue(kind: str, nbytes: int, call, async_op: bool, tag: str, group,
+           device=None):
+    """Count, call, and (for a blocking call) wait: the bookkeeping every
+    collective shares."""
     n = world_size(group)
-    sent = {"object": nbytes * (n - 1), "send": nbytes, "recv": 0}.get(kind) if kind in ("object", "send", "recv") \
-        else ring_bytes(kind, nbytes, n)
+    if kind in ("object", "send", "recv"):
+        sent = {"object": nbytes * (n - 1), "send": nbytes, "recv": 0}[kind]
+    else:
+        sent = ring_bytes(kind, nbytes, n)
     issued = time.perf_counter()
-    start, not_before = _link.schedule(issued, sent) if _link is not None else (issued, 0.0)
+    start, not_before = issued, 0.0
+    if _link is not None:  # chapter 7: a simulated slow link
+        start, not_before = _link.schedule(issued, sent)
     events, name = [], group_name(group)
     for c in _active:
         c.bytes[kind] += sent
         c.calls[kind] += 1
         c.by_group[name][kind] += sent
         if c.record:
-            events.append(CommEvent(kind, sent, issued, tag=tag, start=start, done=not_before or float("nan"),
-                                    group=name))
+            done = not_before or float("nan")
+            events.append(CommEvent(kind, sent, issued, tag=tag, start=start,
+                                    done=done, group=name))
             c.events.append(events[-1])
     on_gpu = bool(events) and device is not None and device.type == "cuda"
     timing = cuda_timing.begin(group, device) if on_gpu else None
@@ -274,8 +282,10 @@ def _issue(kind: str, nbytes: int, call, async_op: bool, tag: str, group, device
     elif events and work is not None:
         _stamp_completion(work, events, not_before)
     _issued[name] += 1
-    where = f"{kind} {tag!r}, collective #{_issued[name]} of group {name!r} on this rank"
-    handle = Handle(work, events, not_before, tag, cuda_done=None if cuda is None else cuda[1], where=where)
+    where = (f"{kind} {tag!r}, collective #{_issued[name]} of group {name!r} "
+             f"on this rank")
+    handle = Handle(work, events, not_before, tag, where=where,
+                    cuda_done=None if cuda is None else cuda[1])
     if async_op:
         return handle
     handle.wait()

@@ -163,7 +163,9 @@ def _run_in_place(work, world_size, args, kwargs, device, timeout):
     owns_group = not dist.is_initialized()
     if owns_group:
         env_world = int(os.environ["WORLD_SIZE"])
-        init_process_group(int(os.environ["RANK"]), env_world, resolve_device(device, env_world), timeout)
+        # one GPU per rank *of this machine*: across nodes, torchrun starts LOCAL_WORLD_SIZE ranks on each
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", env_world))
+        init_process_group(int(os.environ["RANK"]), env_world, resolve_device(device, local_world), timeout)
     if dist.get_world_size() != world_size:
         raise ValueError(f"launch(world_size={world_size}) inside a group of {dist.get_world_size()} ranks; "
                          f"pass world_size={dist.get_world_size()} or start torchrun with --nproc-per-node "

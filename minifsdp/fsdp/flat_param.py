@@ -34,9 +34,11 @@ reshard(): free the buffer's memory -- its *storage* is resized to zero, so auto
 valid objects while costing nothing -- and let the parameter point at the shard again. The next unshard
 re-allocates the storage and all-gathers into it, in place, so those saved views see the data again.
 
-Gradients: the views are cut from the flat parameter itself, so autograd sums every original gradient
-into one flat gradient of the padded size. reduce_scatter_grad() turns it into this rank's shard of the
-averaged gradient: the shape of the parameter the optimizer steps.
+Gradients: the views are cut from the flat parameter itself, so autograd's backward of the split
+concatenates every original gradient (zeros for the gaps) into one new flat gradient of the padded size --
+a copy, with the pieces and the flat gradient alive at once while it runs (chapter 5 measures it).
+reduce_scatter_grad() turns it into this rank's shard of the averaged gradient: the shape of the parameter
+the optimizer steps.
 """
 
 from __future__ import annotations
@@ -190,11 +192,13 @@ class FlatParameter:
             if self.limiter is not None:
                 self.limiter.before_all_gather()
             with _side_stream("all_gather", self._full, after_compute=False):
+                # BEGIN EXERCISE 5.3: re-allocate the full buffer, start the all-gather of every shard into it
                 _alloc_storage(self._full)  # memory of the all-gather stream, the buffer's writer
                 plain = not self.offload and self.param_dtype == self._shard.dtype
                 self._all_gather_input = self._shard if plain else self._cast_shard()  # chapter 8
                 self._unshard_handle = comm.all_gather(self._full, self._all_gather_input, async_op=True,
                                                        tag=f"unshard {self.name}", group=self.group)
+                # END EXERCISE
             self.state = ShardState.UNSHARDING
         if not async_op:
             self.wait_unshard()

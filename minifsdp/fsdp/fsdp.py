@@ -58,9 +58,9 @@ from minifsdp.fsdp import optim_state_dict as optim_state
 from minifsdp.fsdp.flat_param import FlatParameter, sync_all_gathers
 from minifsdp.fsdp.prefetch import AllGatherLimiter, BackwardPrefetch, ExecutionOrder
 from minifsdp.fsdp.wrap import (as_policy, modules_not_in_units, move_own_tensors, named_modules_not_in_units,
-                                named_units, unowned_named_tensors, wrap_children)
+                                named_units, unowned_named_tensors, with_full_precision_units, wrap_children)
 from minifsdp.mixed_precision import (CPUOffload, MixedPrecision, cast_buffers, cast_inputs, check_master_dtype,
-                                      scaled_losses, warn_if_unscaled)
+                                      keep_full_precision, require_policy, scaled_losses, warn_if_unscaled)
 
 
 class FullyShardedDataParallel(nn.Module):
@@ -103,6 +103,7 @@ class FullyShardedDataParallel(nn.Module):
                  ignored_states=None, device_mesh=None, *, reshard_after_forward: bool | None = None):
         super().__init__()
         backward_prefetch = api.by_name(backward_prefetch, BackwardPrefetch, "backward_prefetch")
+        require_policy(mixed_precision)  # (FairScale's mixed_precision=True is named)
         shard, reshard_after_forward = api.resolve_sharding(sharding_strategy, reshard_after_forward)
         api.resolve_group(None, None, use_orig_params, ignored_states)  # (refuses what minifsdp lacks)
         if api.is_hybrid(sharding_strategy):  # chapter 11: shard within a group, replicate across groups
@@ -149,7 +150,17 @@ class FullyShardedDataParallel(nn.Module):
                            param_init_fn=param_init_fn, device_id=device_id, mixed_precision=mixed_precision,
                            cpu_offload=cpu_offload,
                            process_group=(process_group, self.replicate_group) if hybrid else process_group)
-            wrap_children(module, auto_wrap_policy, uses, lambda child: FullyShardedDataParallel(child, **options))
+            # chapter 8: modules of the policy's _module_classes_to_ignore become units of their own, in fp32
+            full_precision = tuple(mixed_precision._module_classes_to_ignore) if mixed_precision else ()
+            if full_precision:
+                auto_wrap_policy = with_full_precision_units(auto_wrap_policy, full_precision)
+
+            def unit(child):
+                if isinstance(child, full_precision):
+                    keep_full_precision(child)
+                    return FullyShardedDataParallel(child, **{**options, "mixed_precision": None})
+                return FullyShardedDataParallel(child, **options)
+            wrap_children(module, auto_wrap_policy, uses, unit)
         self.module = module
         # device_id: a torch.device, or a GPU's index (0 is a GPU, not "unset")
         device = torch.device("cuda", device_id) if isinstance(device_id, int) else device_id or current_device()
@@ -161,7 +172,8 @@ class FullyShardedDataParallel(nn.Module):
             move_own_tensors(module, device)
         self.mixed_precision = mixed_precision
         check_master_dtype(mixed_precision, module.named_parameters())
-        cast_buffers(module, mixed_precision)
+        for m in modules_not_in_units(module):  # (a nested unit cast its own, by its own policy)
+            cast_buffers(m, mixed_precision, recurse=False)
         self.flat_params = self._flatten_own_parameters()
         if self.replicate_group is not None and deferred and sync_module_states:  # replicas: the same shards
             comm.broadcast_tensors([flat.param.data for flat in self.flat_params], src=0, group=self.replicate_group)
@@ -189,6 +201,7 @@ class FullyShardedDataParallel(nn.Module):
         self._pending = []            # reduce-scatters in flight (root only)
         self._callback_queued = False  # root only
         self._backward_started = False
+        self._next_in_backward = None                  # the unit whose backward comes next (chapter 7)
         self._sync_gradients = True                    # False inside no_sync()
         self._scaled_before_forward = scaled_losses()  # chapter 8 (root only)
         self._order = ExecutionOrder()                 # units in the order they ran (root only, chapter 7)
@@ -257,8 +270,10 @@ class FullyShardedDataParallel(nn.Module):
         for flat in self.flat_params:
             flat.unshard(async_op=True)  # start our own all-gather (if not prefetched already) ...
         if self.forward_prefetch:
-            # BEGIN EXERCISE 7.1: explicit forward prefetch: start the next unit's all-gather before computing
-            self._prefetch(self._next("forward"))  # ... queue the next unit's behind it ...
+            # BEGIN EXERCISE 7.1: forward prefetch: the unit after this one in the recorded order; start its all-gather
+            order = root._order.order["forward"]  # (filled in the first step; complete once `recorded`)
+            if root._order.recorded and self in order[:-1]:
+                self._prefetch(order[order.index(self) + 1])  # ... queue the next unit's behind it ...
             # END EXERCISE
         for flat in self.flat_params:
             flat.wait_unshard()  # ... and only now block, for ours
@@ -290,12 +305,6 @@ class FullyShardedDataParallel(nn.Module):
     # --8<-- [end:forward]
 
     # --8<-- [start:prefetch]
-    def _next(self, direction: str):
-        """The unit that ran after this one in the first step's forward or backward (chapter 7), if known."""
-        nxt = self._root_unit._order.next(direction, self)
-        # in backward, only a unit still to come: the root's backward ends last, after every other unit's
-        return None if direction == "backward" and nxt is not None and nxt._backward_started else nxt
-
     @staticmethod
     def _prefetch(unit) -> None:
         """Start the unit's all-gather now, without waiting: its own unshard() will find it on its way."""
@@ -312,14 +321,22 @@ class FullyShardedDataParallel(nn.Module):
             self._backward_started = True
             root = self._root_unit
             root._order.record("backward", self)
+            # BEGIN EXERCISE 6.2: the first hook of a backward queues the root's end-of-backward; start our all-gather
             if not root._callback_queued:
                 root._callback_queued = True
                 torch.autograd.Variable._execution_engine.queue_callback(root._finish_backward)
             for flat in self.flat_params:
                 flat.unshard(async_op=True)
-            if self.backward_prefetch == BackwardPrefetch.BACKWARD_PRE:
-                # BEGIN EXERCISE 7.2: BACKWARD_PRE: start the next unit's all-gather before our backward compute
-                self._prefetch(self._next("backward"))
+            # END EXERCISE
+            if self.backward_prefetch is not None:
+                # BEGIN EXERCISE 7.2: backward prefetch: the unit whose backward comes next, from the recorded order
+                order = root._order.order["backward"]
+                i = order.index(self) + 1 if root._order.recorded and self in order else len(order)
+                nxt = order[i] if i < len(order) else None
+                # only a unit still to come: the root's backward starts first and ends last, after every other's
+                self._next_in_backward = None if nxt is None or nxt._backward_started else nxt
+                if self.backward_prefetch == BackwardPrefetch.BACKWARD_PRE:
+                    self._prefetch(self._next_in_backward)  # before we wait for our own and compute
                 # END EXERCISE
             for flat in self.flat_params:
                 flat.wait_unshard()
@@ -347,7 +364,8 @@ class FullyShardedDataParallel(nn.Module):
         """The flat gradient is complete: average it across ranks (async) and free the full parameters."""
         events.emit(events.COMPUTE_END, f"backward {self.unit_name}")
         if self.backward_prefetch == BackwardPrefetch.BACKWARD_POST:  # ahead of our reduce-scatter
-            self._prefetch(self._next("backward"))
+            nxt = self._next_in_backward  # (found by _pre_backward) -- if its backward has not started since
+            self._prefetch(None if nxt is None or nxt._backward_started else nxt)
         if not self._sync_gradients or flat.unsharded_grad is not None:  # no_sync() (chapter 9) in play
             if training.accumulate_unsharded(flat, self._sync_gradients):  # inside the block: nothing is sent
                 return

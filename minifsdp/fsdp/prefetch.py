@@ -27,23 +27,18 @@ class BackwardPrefetch(enum.Enum):
 
 # --8<-- [start:order]
 class ExecutionOrder:
-    """The order units ran in, forward and backward, during the first step (kept by the root)."""
+    """The order units ran in, forward and backward, during the first step (kept by the root).
+
+    order["forward"], order["backward"]: the units, each once, in the order they first ran. Complete once
+    `recorded` is set, at the end of the first backward: from then on, a unit finds the one after it there."""
 
     def __init__(self):
         self.order = {"forward": [], "backward": []}
-        self.recorded = False  # set at the end of the first backward: from then on, next() answers
+        self.recorded = False
 
     def record(self, direction: str, unit) -> None:
         if not self.recorded and unit not in self.order[direction]:
             self.order[direction].append(unit)
-
-    def next(self, direction: str, unit):
-        """The unit that ran after `unit` in the first step's forward or backward, if known."""
-        order = self.order[direction]
-        if not self.recorded or unit not in order:
-            return None
-        i = order.index(unit) + 1
-        return order[i] if i < len(order) else None
 # --8<-- [end:order]
 
 

@@ -55,6 +55,25 @@ def as_policy(policy):
     return _TorchPolicy(policy) if torch_style else policy
 
 
+def with_full_precision_units(policy, classes: tuple):
+    """PyTorch FSDP1's MixedPrecision(_module_classes_to_ignore=classes) under an auto_wrap_policy: every module
+    of these classes is wrapped, whatever `policy` says, and every subtree is looked inside to find them
+    (FSDP1's _or_policy with _wrap_module_cls_individually). The runtime makes those units without mixed
+    precision (chapter 8)."""
+    return _OrClasses(policy, tuple(classes))
+
+
+class _OrClasses:
+    def __init__(self, policy, classes: tuple):
+        self.policy, self.classes = policy, classes
+
+    def recurse(self, module: nn.Module, nonwrapped_numel: int) -> bool:
+        return True
+
+    def __call__(self, module: nn.Module, unowned_numel: int) -> bool:
+        return isinstance(module, self.classes) or self.policy(module, unowned_numel)
+
+
 class _TorchPolicy:
     def __init__(self, fn):
         self.fn = fn

@@ -28,8 +28,10 @@ def mixed_precision_adam(k: int = 12) -> tuple[int, int, int]:
 
 
 # --8<-- [start:model_state_bytes]
-def model_state_bytes(psi: int, world_size: int, stage: int, bytes_per_param=FP32_ADAM) -> dict[str, float]:
-    """Per-rank bytes of params, grads and optimizer state under ZeRO stage 0..3 (0 = DDP)."""
+def model_state_bytes(psi: int, world_size: int, stage: int,
+                      bytes_per_param=FP32_ADAM) -> dict[str, float]:
+    """Per-rank bytes of params, grads and optimizer state under ZeRO stage
+    0..3 (0 = DDP)."""
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage must be 0 (DDP), 1, 2 or 3, not {stage!r}")
     p, g, o = (b * psi for b in bytes_per_param)
@@ -77,16 +79,38 @@ def fsdp_step_collectives(unit_numels: list[int], world_size: int, dtype_bytes: 
 
 
 # --8<-- [start:fsdp_buffer_bytes]
-def fsdp_buffer_bytes(unit_numel: int, world_size: int, dtype_bytes: int = 4) -> dict[str, float]:
-    """Communication and unsharded-parameter buffers alive at FSDP's peak, for units of `unit_numel` params.
+def fsdp_buffer_bytes(unit_numel: int, world_size: int,
+                      dtype_bytes: int = 4) -> dict[str, float]:
+    """Communication and unsharded-parameter buffers alive at FSDP's peak, for
+    units of `unit_numel` params.
 
-    Two of each: one unit is computing while the next one's all-gather is in flight (prefetch), and the
-    parameters are views into the all-gather output, so that buffer cannot be reused early.
+    Two of each: one unit is computing while the next one's all-gather is in
+    flight (prefetch), and the parameters are views into the all-gather
+    output, so that buffer cannot be reused early.
     """
     comm = 2 * collective_payload_bytes(unit_numel, world_size, dtype_bytes)
     unsharded = 2 * unit_numel * dtype_bytes
     return {"comm": comm, "unsharded": unsharded, "total": comm + unsharded}
 # --8<-- [end:fsdp_buffer_bytes]
+
+
+# --8<-- [start:fsdp_gradient_bytes]
+def fsdp_gradient_bytes(padded_numel: int, world_size: int, dtype_bytes: int = 4,
+                        backend_buffer: bool = True) -> dict[str, float]:
+    """Gradient bytes of one unit alive at once, around its backward and its reduce-scatter.
+
+    concat:         autograd's backward of the split that cut the views is a concatenation: the per-parameter
+                    gradients (and zeros for the gaps), one flat size, are copied into a new flat gradient,
+                    another -- both alive while it runs.
+    reduce_scatter: the flat gradient (the output is this rank's chunk of it: in place), plus a buffer of the
+                    input's size if the backend allocates one (gloo does; NCCL works in the buffers it is given).
+    handover:       the flat gradient and the shard copied out of it (1/N), until the flat one is released.
+    kept:           the shard, in .grad until the optimizer step.
+    """
+    flat = padded_numel * dtype_bytes
+    return {"concat": 2 * flat, "reduce_scatter": (2 if backend_buffer else 1) * flat,
+            "handover": flat + flat / world_size, "kept": flat / world_size}
+# --8<-- [end:fsdp_gradient_bytes]
 
 
 def sgd_momentum_state_bytes(psi: int) -> int:

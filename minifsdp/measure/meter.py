@@ -101,6 +101,7 @@ class MemoryMeter:
         self.category_peak = {c: 0 for c in self.categories}     # each category's own highest, at any moment
         self.snapshots: dict[str, dict[str, int]] = {}
         self._mode = None
+        self._retries_before = self._cuda_stat("num_alloc_retries")  # the allocator counts from process start
         if model is not None:
             self.watch_model(model)
         if optimizer is not None:
@@ -113,7 +114,8 @@ class MemoryMeter:
         self._update_peak()
 
     def _set_category(self, storage, category: str) -> None:
-        """Count the storage under `category` (a new one, or one that just changed roles); no peak update."""
+        """Count the storage under `category` (a new one, or one that just
+        changed roles); no peak update."""
         key = id(storage)
         entry = self._live.get(key)
         if entry is None:
@@ -121,8 +123,10 @@ class MemoryMeter:
             ref = weakref.ref(storage, lambda _, key=key: self._free(key))
             self._live[key] = entry = [nbytes, category, ref]
             self._by_cat[category] += nbytes
-        elif entry[1] != category and category != "other" and key not in self._pinned:
-            self._by_cat[entry[1]] -= entry[0]  # e.g. an autograd output that just became p.grad
+        elif (entry[1] != category and category != "other"
+              and key not in self._pinned):
+            # e.g. an autograd output that just became p.grad
+            self._by_cat[entry[1]] -= entry[0]
             self._by_cat[category] += entry[0]
             entry[1] = category
 
@@ -143,9 +147,11 @@ class MemoryMeter:
             self._by_cat[entry[1]] -= entry[0]
 
     def _refresh(self) -> None:
-        """Re-read every live storage's size: code we do not control (torch's FSDP2, say) may resize a
-        storage in place, which no op reports. O(live storages) per op: fine for a meter, not for speed."""
-        # (a copy: a storage freed while we read -- its weakref callback runs at once -- leaves the dict)
+        """Re-read every live storage's size: code we do not control (torch's
+        FSDP2, say) may resize a storage in place, which no op reports.
+        O(live storages) per op: fine for a meter, not for speed."""
+        # (a copy: a storage freed while we read -- its weakref callback runs
+        # at once -- leaves the dict)
         for entry in list(self._live.values()):
             storage = entry[2]()
             if storage is not None and storage.nbytes() != entry[0]:
@@ -234,13 +240,21 @@ class MemoryMeter:
             torch.cuda.reset_peak_memory_stats()
 
     def allocator_stats(self) -> dict[str, int]:
-        """CUDA only: the caching allocator's own view (bytes), the truth on a GPU."""
+        """CUDA only: the caching allocator's own view (bytes), the truth on a GPU. num_alloc_retries: how many
+        times, since this meter was made, an allocation found no free block, so the allocator emptied its
+        cache and tried again -- fragmentation, or memory nearly full. On the CPU: {} (no caching allocator)."""
         if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
             return {}
         s = torch.cuda.memory_stats()
         return {"allocated": s.get("allocated_bytes.all.current", 0),
                 "max_allocated": s.get("allocated_bytes.all.peak", 0),
-                "num_alloc_retries": s.get("num_alloc_retries", 0)}
+                "num_alloc_retries": s.get("num_alloc_retries", 0) - self._retries_before}
+
+    @staticmethod
+    def _cuda_stat(key: str) -> int:
+        if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+            return 0
+        return torch.cuda.memory_stats().get(key, 0)
 
     def __enter__(self):
         self._mode = _Tracker(self)

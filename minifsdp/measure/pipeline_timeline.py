@@ -11,7 +11,7 @@ micro-batch 3 through stage 1), so chapter 7's Timeline records them unchanged:
     bubble_fractions(timelines)             # per rank: the share of the pipeline's step it sat idle
     bubble_formula(p, m, v)                 # (p - 1) / (v*m + p - 1)
     in_flight_peaks(timelines[r])           # per stage: most micro-batches forward and not yet backward
-    plot_pipeline(timelines, "pipeline.png")
+    plot_pipeline(timelines, "pipeline.svg")
 
 `simulate(orders, t_forward, t_backward)` runs the schedules' orders on an ideal machine -- every forward takes
 t_forward, every backward t_backward, messages arrive at once -- and gives spans the same functions read: the
@@ -116,31 +116,44 @@ def simulate(orders: list[list[Action]], t_forward: float, t_backward: float) ->
 
 def plot_pipeline(timelines: list[list[Span]], path: str | None = None, title: str = "", ax=None):
     """A Gantt chart of the pipeline: a row per rank, an action per box (pale: forward, solid: backward),
-    coloured by micro-batch and labelled with it; white space is the bubble."""
-    import matplotlib
-    if path:
-        matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    coloured by micro-batch and labelled with it where the label fits (' marks a rank's later stage); empty
+    space is the bubble. With `path`, a figure of its own in the charts' style (reports/style.py), saved
+    there; with `ax`, drawn into it."""
+    from minifsdp.reports import style
 
-    own = ax is None
-    if own:
-        fig, ax = plt.subplots(figsize=(12, 0.6 + 0.55 * len(timelines)))
-    colors = plt.get_cmap("tab10").colors
+    if ax is None:
+        return style.charts(_own_pipeline)(timelines, path, title)
+    colors = [style.FILLS[c] for c in ("blue", "orange", "green", "purple", "red", "teal", "yellow", "grey")]
     p = len(timelines)
+    labels = []
     for rank, spans in enumerate(timelines):
         y = p - 1 - rank
         for action, start, end in pipeline_actions(spans):
             color = colors[action.microbatch % len(colors)]
-            ax.broken_barh([(start * 1e3, (end - start) * 1e3)], (y, 0.85), facecolors=color, edgecolor="white",
-                           linewidth=0.5, alpha=0.5 if action.kind == FORWARD else 1.0)
+            ax.broken_barh([(start * 1e3, (end - start) * 1e3)], (y, 0.85), edgecolor="white", linewidth=0.5,
+                           facecolors=style.pale(color, 0.55) if action.kind == FORWARD else color)
             label = str(action.microbatch) if action.stage < p else f"{action.microbatch}'"  # ' a later stage
-            ax.text((start + end) / 2 * 1e3, y + 0.42, label, ha="center", va="center", fontsize=6)
+            labels.append(((start + end) / 2 * 1e3, y + 0.42, (end - start) * 1e3, label))
     ax.set_yticks([p - 1 - r + 0.42 for r in range(p)], [f"rank {r}" for r in range(p)])
     ax.set_xlabel("ms since the start of the step (pale: forward, solid: backward; the number: micro-batch)")
     if title:
-        ax.set_title(title, fontsize=10)
-    if own and path:
-        fig.tight_layout()
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
+        ax.set_title(title, loc="left", fontsize=10)
+    fig = ax.figure
+    fig.canvas.draw()  # the layout, to write only the labels that fit in their box
+    lo, hi = ax.get_xlim()
+    points_per_ms = ax.get_window_extent().width * 72 / fig.dpi / (hi - lo)
+    for x, y, width, label in labels:
+        if width * points_per_ms >= 0.65 * style.MIN_FONT_PT * len(label) + 2:
+            ax.text(x, y, label, ha="center", va="center", fontsize=10, color=style.INK)
+    return ax
+
+
+def _own_pipeline(timelines, path, title):
+    from minifsdp.reports import style
+
+    fig, ax = style.figure(1.3 + 0.45 * len(timelines))
+    plot_pipeline(timelines, title=title, ax=ax)
+    if path:
+        fig.set_layout_engine("none")  # keep the layout the labels were fitted to
+        style.save(fig, path)
     return ax

@@ -10,7 +10,7 @@ forward, backward, AdamW. The meter (meter.py) counts every meta storage as if i
 not do: what is printed is what the wrappers allocate and send.
 
     python -m minifsdp simulate --model 7b --world-size 1024 --strategy fsdp --precision bf16
-    python -m minifsdp simulate --model 7b 70b --world-sizes 8 64 1024 --strategy ddp fsdp --plot scaling.png
+    python -m minifsdp simulate --model 7b 70b --world-sizes 8 64 1024 --strategy ddp fsdp --plot scaling.svg
     python -m minifsdp simulate --example zero-7.5b
 
 Two steps run; the second is measured. The first is the warm-up every real job has: AdamW makes its state,
@@ -498,22 +498,35 @@ def sweep_table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-COLORS = {"ddp": "#4c72b0", "oss": "#dd8452", "sdp": "#55a868", "fsdp": "#c44e52", "fully_shard": "#8172b3"}
 MARKERS = {"ddp": "o", "oss": "s", "sdp": "^", "fsdp": "D", "fully_shard": "v"}
 
 
+def _colours() -> dict:
+    from minifsdp.reports import style
+
+    return {"ddp": style.LINES["blue"], "oss": style.LINES["orange"], "sdp": style.LINES["green"],
+            "fsdp": style.LINES["red"], "fully_shard": style.LINES["purple"]}
+
+
 def plot_scaling(results: list[dict], path: str) -> None:
-    """Memory per rank against N, log-log, one panel per model: each strategy's analytic model states as a
-    line, rank 0's measured model states (after the step) as filled markers on it, and the measured peak
-    of the step (activations included) as hollow markers."""
-    import matplotlib
+    """Memory per rank against N, log-log, one panel per model, one above the other: each strategy's analytic
+    model states as a line, rank 0's measured model states (after the step) as filled markers on it, and the
+    measured peak of the step (activations included) as hollow markers. In the charts' style (reports/style.py)."""
+    from minifsdp.reports import style
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    style.charts(_plot_scaling)(results, path)
 
+
+def _plot_scaling(results: list[dict], path: str) -> None:
+    from matplotlib.lines import Line2D
+    from matplotlib.ticker import FixedLocator, FuncFormatter, LogLocator, NullFormatter
+
+    from minifsdp.reports import style
+
+    colours = _colours()
     models = list(dict.fromkeys(r["spec"]["model"] for r in results))
-    fig, axes = plt.subplots(1, len(models), figsize=(8, 4.6), sharey=True, squeeze=False)
-    for ax, model in zip(axes[0], models):
+    fig, axes = style.figure(1.5 + 2.9 * len(models), len(models), 1, sharex=True, squeeze=False)
+    for ax, model in zip(axes[:, 0], models):
         mine = [r for r in results if r["spec"]["model"] == model]
         psi = mine[0]["psi"]
         for strategy in dict.fromkeys(r["spec"]["strategy"] for r in mine):
@@ -522,32 +535,35 @@ def plot_scaling(results: list[dict], path: str) -> None:
             grid = [2 ** (k / 8) for k in range(int(8 * math.log2(min(ns))), int(8 * math.log2(max(ns))) + 1)]
             per_param = STATE_BYTES[rs[0]["spec"]["precision"]]
             curve = [analytic.model_state_bytes(psi, x, STAGES[strategy], per_param)["total"] for x in grid]
-            color, marker = COLORS[strategy], MARKERS[strategy]
-            ax.plot(grid, [c / 1e9 for c in curve], "-", color=color, lw=1.3)
+            color, marker = colours[strategy], MARKERS[strategy]
+            ax.plot(grid, [c / 1e9 for c in curve], "-", color=color, lw=1.5)
             states = [sum(r["phases"]["after optimizer step"][c] for c in ("params", "grads", "optim")) for r in rs]
             peaks = [max(r["phases"][p]["total"] for p in ("peak of forward", "peak of backward",
                                                             "peak of optimizer step")) for r in rs]
             ax.plot(ns, [s / 1e9 for s in states], marker, color=color, ms=6, ls="none", label=strategy)
-            ax.plot(ns, [p / 1e9 for p in peaks], marker, color=color, ms=7, ls="none", mfc="none", mew=1.2)
+            ax.plot(ns, [p / 1e9 for p in peaks], marker, color=color, ms=7, ls="none", mfc="none", mew=1.3)
+        ns_all = sorted({r["world_size"] for r in mine})
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
-        ax.set_xlabel("ranks N", fontsize=11)
-        ax.set_title(f"{model} (Ψ = {psi / 1e9:.2f} B)", fontsize=12)
-        ax.tick_params(labelsize=10)
-        ax.grid(True, which="major", alpha=0.3)
-    axes[0][0].set_ylabel("GB per rank (rank 0)", fontsize=11)
-    handles, labels = axes[0][0].get_legend_handles_labels()
-    from matplotlib.lines import Line2D
-    handles += [Line2D([], [], color="k", lw=1.3), Line2D([], [], marker="o", color="k", ls="none"),
-                Line2D([], [], marker="o", color="k", ls="none", mfc="none")]
+        ax.xaxis.set_major_locator(FixedLocator(ns_all))
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.0f}"))
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.yaxis.set_major_locator(LogLocator(base=10))
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.yaxis.set_minor_formatter(NullFormatter())
+        ax.set_ylabel("GB per rank (rank 0)")
+        ax.set_title(f"{model} (Ψ = {psi / 1e9:.2f} B)", loc="left", fontsize=10)
+        ax.grid(True, which="major")
+    axes[-1, 0].set_xlabel("ranks N")
+    handles, labels = axes[0, 0].get_legend_handles_labels()
+    handles += [Line2D([], [], color=style.MUTED, lw=1.5), Line2D([], [], marker="o", color=style.MUTED, ls="none"),
+                Line2D([], [], marker="o", color=style.MUTED, ls="none", mfc="none")]
     labels += ["analytic model states", "measured model states", "measured peak of the step"]
-    fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=10, frameon=False)
+    fig.legend(handles, labels, loc="outside lower center", ncol=3)
     spec = results[0]["spec"]
-    fig.suptitle(f"rank 0 of N, {spec['precision']} AdamW, {spec['micro_batch']} × {spec['seq_len']:,} tokens: "
-                 f"model states and the peak of a step", fontsize=11)
-    fig.tight_layout(rect=(0, 0.14, 1, 1))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    fig.suptitle(f"Rank 0 of N, {spec['precision']} AdamW, {spec['micro_batch']} × {spec['seq_len']:,} tokens: "
+                 f"model states and the peak of a step")
+    style.save(fig, path)
 
 
 # -- the worked examples -------------------------------------------------------------------------------------------

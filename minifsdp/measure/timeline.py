@@ -7,7 +7,7 @@ rank sat blocked waiting for the wire. The third is the one that costs time.
     hidden_fraction(tl.spans())             # the share of communication time that cost no waiting
 
     timelines = launch(work, world_size=2)  # each rank returns tl.spans()
-    plot_timeline(timelines, "timeline.png"); write_chrome_trace(timelines, "trace.json")
+    plot_timeline(timelines, "timeline.svg"); write_chrome_trace(timelines, "trace.json")
 
 Lanes. "compute": one segment per unit and phase ("forward blocks.0"); a unit's segment stops where a
 nested unit's starts, so the lane shows who is computing now, not who called whom. "wait": the rank is
@@ -211,64 +211,82 @@ def lane_time(spans: list[Span], *lanes: str) -> float:
 
 
 # -- pictures and traces ---------------------------------------------------------------------------------------
-_COMM_COLORS = {"all_gather": "tab:blue", "reduce_scatter": "tab:orange", "all_reduce": "tab:purple",
-                "broadcast": "tab:brown", "reduce": "tab:pink", "object": "tab:gray"}
-
-
-_PALETTE = ["#8c8c8c", "#4c72b0", "#55a868", "#c44e52", "#8172b2", "#ccb974", "#64b5cd", "#dd8452", "#937860"]
-
-
 def _unit_colors(timelines) -> dict:
-    """One colour per unit, in order of first appearance (so the root, which starts first, is grey)."""
+    """One colour per unit, in order of first appearance (so the root, which starts first, is grey). Blue,
+    orange and purple are left to the collectives (reports/style.py's COLLECTIVE)."""
+    from minifsdp.reports import style
+
+    palette = [style.FILLS[c] for c in ("grey", "green", "red", "yellow", "teal")] + \
+              [style.LINES[c] for c in ("green", "red", "yellow", "teal")]
     units = []
     for spans in timelines:
         for s in spans:
             unit = s.name.split(" ", 1)[-1]
             if s.lane == "compute" and unit not in units:
                 units.append(unit)
-    return {u: _PALETTE[i % len(_PALETTE)] for i, u in enumerate(units)}
+    return {u: palette[i % len(palette)] for i, u in enumerate(units)}
 
 
-def plot_timeline(timelines: list[list[Span]], path: str | None = None, title: str = "", ax=None):
+def timeline_legend(timelines) -> list:
+    """The legend's handles for plot_timeline: the units' colours, the collectives', and the hatching of a wait."""
+    from matplotlib.patches import Patch
+
+    from minifsdp.reports import style
+
+    kinds = sorted({s.lane for spans in timelines for s in spans} - {"compute", "wait"})
+    handles = [Patch(facecolor=c, label=u) for u, c in _unit_colors(timelines).items()]
+    handles += [Patch(facecolor=style.COLLECTIVE.get(k, style.FILLS["grey"]), label=k.replace("_", "-"))
+                for k in kinds]
+    handles.append(Patch(facecolor="none", edgecolor=style.MUTED, hatch="////", label="blocked waiting"))
+    return handles
+
+
+def plot_timeline(timelines: list[list[Span]], path: str | None = None, title: str = "", ax=None,
+                  legend: bool = True):
     """Gantt chart, per rank: a compute lane (colour = unit, pale = forward, hatched = blocked waiting)
-    and a communication lane (colour = collective)."""
-    import matplotlib
-    if path:
-        matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    and a communication lane (colour = collective). With `path`, a figure of its own in the charts' style
+    (reports/style.py), saved there; with `ax`, drawn into it (legend=False leaves the legend to the caller,
+    e.g. one for several panels: timeline_legend)."""
+    from minifsdp.reports import style
 
-    own = ax is None
-    if own:
-        fig, ax = plt.subplots(figsize=(12, 1.2 + 1.1 * len(timelines)))
-    colors, labels = _unit_colors(timelines), []
+    if ax is None:
+        return style.charts(_own_timeline)(timelines, path, title)
+    colors = _unit_colors(timelines)
+    labels = []
     for rank, spans in enumerate(timelines):
-        y_comp, y_comm = 2 * rank * 1.2 + 1.2, 2 * rank * 1.2
+        y_comp, y_comm = 2 * rank + 1, 2 * rank
         for s in spans:
             bar = [(s.start * 1e3, (s.end - s.start) * 1e3)]
             if s.lane == "compute":  # forward pale, backward solid
                 phase, unit = s.name.split(" ", 1)
-                ax.broken_barh(bar, (y_comp, 0.9), facecolors=colors[unit], edgecolor="white", linewidth=0.3,
-                               alpha=0.55 if phase == "forward" else 1.0)
+                colour = style.pale(colors[unit], 0.55) if phase == "forward" else colors[unit]
+                ax.broken_barh(bar, (y_comp + 0.1, 0.8), facecolors=colour, edgecolor="none")
             elif s.lane == "wait":
-                ax.broken_barh(bar, (y_comp, 0.9), facecolors="none", edgecolor="0.35", hatch="////", linewidth=0.3)
+                ax.broken_barh(bar, (y_comp + 0.1, 0.8), facecolors="none", edgecolor=style.MUTED, hatch="////",
+                               linewidth=0.5)
             else:
-                ax.broken_barh(bar, (y_comm, 0.9), facecolors=_COMM_COLORS.get(s.lane, "k"), edgecolor="white",
-                               linewidth=0.3)
-        labels += [(y_comm + 0.45, f"rank {rank} comm"), (y_comp + 0.45, f"rank {rank} compute")]
+                ax.broken_barh(bar, (y_comm + 0.1, 0.8), facecolors=style.COLLECTIVE.get(s.lane, style.FILLS["grey"]),
+                               edgecolor="white", linewidth=0.5)
+        labels += [(y_comm + 0.5, f"rank {rank} comm"), (y_comp + 0.5, f"rank {rank} compute")]
     ax.set_yticks([y for y, _ in labels], [t for _, t in labels])
+    ax.set_ylim(-0.1, 2 * len(timelines) + 0.1)
+    ax.tick_params(axis="y", length=0)
     ax.set_xlabel("ms since the start of the step")
     if title:
-        ax.set_title(title, fontsize=10)
-    from matplotlib.patches import Patch
-    kinds = sorted({s.lane for spans in timelines for s in spans} - {"compute", "wait"})
-    handles = [Patch(facecolor=c, label=u) for u, c in colors.items()]
-    handles += [Patch(facecolor=_COMM_COLORS.get(k, "k"), label=k.replace("_", "-")) for k in kinds]
-    handles.append(Patch(facecolor="none", edgecolor="0.35", hatch="////", label="blocked waiting"))
-    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7, frameon=False)
-    if own and path:
-        fig.tight_layout()
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
+        ax.set_title(title, loc="left", fontsize=10)
+    if legend:
+        ax.legend(handles=timeline_legend(timelines), loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    return ax
+
+
+def _own_timeline(timelines, path, title):
+    from minifsdp.reports import style
+
+    fig, ax = style.figure(1.6 + 0.45 * 2 * len(timelines))
+    plot_timeline(timelines, title=title, ax=ax, legend=False)
+    fig.legend(handles=timeline_legend(timelines), loc="outside lower center", ncol=4)
+    if path:
+        style.save(fig, path)
     return ax
 
 

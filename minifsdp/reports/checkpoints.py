@@ -2,7 +2,7 @@
 which bytes each rank writes at N and reads back at M.
 
     python -m minifsdp checkpoints --world-sizes 1 2 3 4 --markdown chapters/generated/checkpoints.md \
-        --plot chapters/figures/reshard.png
+        --plot chapters/figures/reshard.svg
 
 Every strategy trains a GPT with four blocks for one AdamW step, then saves (and loads) its checkpoint
 through minifsdp.checkpoint, a few times; each rank reports the bytes of its own data file and the
@@ -25,6 +25,7 @@ from minifsdp import checkpoint
 from minifsdp.checkpoint.flat_chunks import boxes
 from minifsdp.distributed.launch import launch
 from minifsdp.models import GPTConfig
+from minifsdp.reports import style
 from minifsdp.reports.format import fmt_bytes, write_report
 from minifsdp.train import STRATEGIES, batch, build_model, loss_of
 
@@ -107,15 +108,13 @@ def reshard_boxes(shapes, n: int) -> list[list[tuple[int, tuple, tuple]]]:
     return out
 
 
+@style.charts
 def plot_reshard(path: str, shapes=((6, 10), (10,), (4, 10)), saved_at: int = 2, loaded_at: int = 3) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     from matplotlib.patches import Rectangle
 
-    colours = plt.get_cmap("tab10").colors
+    colours = [style.FILLS[c] for c in ("blue", "orange", "green", "purple", "red", "teal", "yellow", "grey")]
     rows = [s[0] if len(s) == 2 else 1 for s in shapes]
-    fig, axes = plt.subplots(len(shapes), 2, figsize=(10, 1.0 + 0.55 * sum(rows)),
+    fig, axes = style.figure(0.95 + 0.33 * sum(rows) + 0.3 * len(shapes), len(shapes), 2,
                              gridspec_kw={"height_ratios": rows}, squeeze=False)
     saved = reshard_boxes(shapes, saved_at)
     for col, (n, verb) in enumerate(((saved_at, "written"), (loaded_at, "read"))):
@@ -130,25 +129,25 @@ def plot_reshard(path: str, shapes=((6, 10), (10,), (4, 10)), saved_at: int = 2,
 
             for q, o, s in found:
                 x, y, w, h = rect(o, s)
-                ax.add_patch(Rectangle((x, y), w, h, facecolor=colours[q], alpha=0.55, edgecolor="black",
-                                       linewidth=1.5))
-                ax.text(x + w / 2, y + h / 2, f"rank {q}", ha="center", va="center", fontsize=9,
-                        bbox=dict(facecolor="white", alpha=0.8, edgecolor="none", pad=1))
+                ax.add_patch(Rectangle((x, y), w, h, facecolor=colours[q % len(colours)], edgecolor=style.INK,
+                                       linewidth=1.2))
+                ax.text(x + w / 2, y + h / 2, f"rank {q}", ha="center", va="center", fontsize=10, color=style.INK,
+                        zorder=5, bbox=dict(facecolor=colours[q % len(colours)], edgecolor="none", pad=1))
             if col == 1:  # the chunks on disk, dashed: a read that crosses one of these lines is two reads
                 for _, o, s in saved[t]:
                     x, y, w, h = rect(o, s)
-                    ax.add_patch(Rectangle((x, y), w, h, fill=False, edgecolor="black", linestyle="--",
+                    ax.add_patch(Rectangle((x, y), w, h, fill=False, edgecolor=style.INK, linestyle=(0, (4, 2)),
                                            linewidth=2.5))
             ax.set_xlim(0, width)
             ax.set_ylim(0, height)
             ax.set_xticks([])
             ax.set_yticks([])
             ax.set_aspect("equal")
+            for side in ax.spines.values():
+                side.set_visible(False)
             ax.set_title(f"tensor {t} {tuple(shape)}: {verb} at N = {n}", fontsize=10)
-    fig.suptitle(f"Three tensors in one flat buffer, sharded over {saved_at} ranks when saved (left: each box a "
-                 f"chunk on disk)\nand over {loaded_at} when loaded (right: each box what one rank reads; dashed, "
-                 f"the chunks on disk)", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    fig.suptitle(f"Three tensors in one flat buffer. Left: saved by {saved_at} ranks, each box a chunk on disk.\n"
+                 f"Right: loaded by {loaded_at}, each box what one rank reads; dashed: the chunks on disk.",
+                 fontsize=10)
+    style.save(fig, path)
     print(f"wrote {path}")

@@ -1,7 +1,7 @@
 """Chapter 7's measurements: timelines of one FSDP step per prefetch mode, the share of communication
 hidden behind compute, and what prefetching costs in memory.
 
-    python -m minifsdp timeline --world-size 2 --plot chapters/figures/timelines.png --markdown chapters/generated/timelines.md
+    python -m minifsdp timeline --world-size 2 --plot chapters/figures/timelines.svg --markdown chapters/generated/timelines.md
     python -m minifsdp prefetch-memory --world-sizes 2 4 --markdown chapters/generated/prefetch_memory.md
 
 The timelines run on a throttled link (comm.throttled): on one machine the real loopback is so fast
@@ -18,9 +18,11 @@ from minifsdp.distributed import comm
 from minifsdp.distributed.launch import launch
 from minifsdp.fsdp import BACKWARD_POST, BACKWARD_PRE, FullyShardedDataParallel, ModuleWrapPolicy
 from minifsdp.measure.meter import MemoryMeter
-from minifsdp.measure.timeline import Timeline, hidden_fraction, lane_time, plot_timeline, write_chrome_trace
+from minifsdp.measure.timeline import (Timeline, hidden_fraction, lane_time, plot_timeline, timeline_legend,
+                                      write_chrome_trace)
 from minifsdp.models import Block, GPTConfig, TinyGPT
-from minifsdp.reports.format import fmt_bytes, write_report
+from minifsdp.reports import style
+from minifsdp.reports.format import fmt_bytes, md_table, md_tabs, write_report
 from minifsdp.train import OPTIMIZERS, batch, loss_of
 
 # --8<-- [start:modes]
@@ -83,21 +85,23 @@ def run_timeline_report(world_size: int = 2, modes=tuple(MODES), bandwidth: floa
                         plot: str | None = None, markdown: str | None = None, trace: str | None = None) -> dict:
     results = launch(record_timelines, world_size, device="cpu",
                      kwargs=dict(modes=modes, bandwidth=bandwidth, latency=latency))
-    lines = ["| mode | step time | communication | blocked waiting | hidden behind compute |", "|---|---|---|---|---|"]
+    summary = {}  # per mode, the numbers of the table, which the figure's titles quote as they are
     for mode in modes:
         per_rank = [r[mode] for r in results]
         spans = per_rank[0]["spans"]
-        comm_time = lane_time(spans, "all_gather", "reduce_scatter")
-        lines.append(f"| {mode} | {1e3 * statistics.median(r['wall'] for r in per_rank):.1f} ms "
-                     f"| {1e3 * comm_time:.1f} ms | {1e3 * lane_time(spans, 'wait'):.1f} ms "
-                     f"| {100 * per_rank[0]['hidden']:.0f}% |")
+        summary[mode] = {"step": f"{1e3 * statistics.median(r['wall'] for r in per_rank):.1f} ms",
+                         "comm": f"{1e3 * lane_time(spans, 'all_gather', 'reduce_scatter'):.1f} ms",
+                         "wait": f"{1e3 * lane_time(spans, 'wait'):.1f} ms",
+                         "hidden": f"{100 * per_rank[0]['hidden']:.0f}%"}
+    lines = ["| mode | step time | communication | blocked waiting | hidden behind compute |", "|---|---|---|---|---|"]
+    lines += [f"| {mode} | {m['step']} | {m['comm']} | {m['wait']} | {m['hidden']} |" for mode, m in summary.items()]
     text = (f"One FSDP step (AdamW, blocks as units, reshard after forward) of a GPT with "
             f"{sum(p.numel() for p in TinyGPT(TIMELINE_MODEL).parameters()):,} parameters, {world_size} CPU "
             f"ranks, on a link throttled to {bandwidth / 1e6:g} MB/s and {latency * 1e3:g} ms per collective; "
             f"rank 0, the step of median time of three\n\n" + "\n".join(lines))
     write_report(text, markdown)
     if plot:
-        _plot_modes(results, modes, plot)
+        _plot_modes(results, summary, plot)
         print(f"\nwrote {plot}")
     if trace:
         write_chrome_trace([r[modes[-1]]["spans"] for r in results], trace)
@@ -105,20 +109,20 @@ def run_timeline_report(world_size: int = 2, modes=tuple(MODES), bandwidth: floa
     return results
 
 
-def _plot_modes(results, modes, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(len(modes), 1, figsize=(13, 1.0 + 1.0 * len(results) * len(modes)), sharex=True)
-    for ax, mode in zip(axes, modes):
-        r0 = results[0][mode]
-        plot_timeline([r[mode]["spans"] for r in results], ax=ax,
-                      title=f"{mode}: step {1e3 * r0['wall']:.0f} ms, {100 * r0['hidden']:.0f}% of communication "
-                            f"hidden (rank 0)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+@style.charts
+def _plot_modes(results, summary: dict, path):
+    """One panel per mode, stacked, on one time axis; each title quotes the mode's row of the table."""
+    modes = list(summary)
+    lanes = 2 * len(results)
+    fig, axes = style.figure(0.9 + len(modes) * (0.45 + 0.2 * lanes), len(modes), 1, sharex=True, squeeze=False)
+    for ax, mode in zip(axes[:, 0], modes):
+        m = summary[mode]
+        plot_timeline([r[mode]["spans"] for r in results], ax=ax, legend=False,
+                      title=f"{mode}: step {m['step']}, {m['hidden']} hidden")
+        ax.set_xlabel("")
+    axes[-1, 0].set_xlabel("ms since the start of the step")
+    fig.legend(handles=timeline_legend([r[modes[0]]["spans"] for r in results]), loc="outside lower center", ncol=4)
+    style.save(fig, path)
 
 
 # -- memory ----------------------------------------------------------------------------------------------------
@@ -170,12 +174,11 @@ def expected_full_units(mode: str, phase: str) -> int:
 
 
 def run_prefetch_memory_report(world_sizes=(2, 4), markdown: str | None = None) -> dict:
-    lines = ["| N | mode | limit_all_gathers | peak parameter bytes in forward, measured | analytic | "
-             "in backward, measured | analytic | peak of the step |", "|" + "---|" * 8]
-    results = {}
+    panels, results = [], {}
     for n in world_sizes:
         res = launch(measure_prefetch_memory, n, device="cpu")[0]
         results[n] = res
+        rows = []
         for (mode, limit), m in res.items():
             blocks = [u for u in m["units"] if u != "(root)"]
             cells = []
@@ -184,9 +187,12 @@ def run_prefetch_memory_report(world_sizes=(2, 4), markdown: str | None = None) 
                 alive = ["(root)"] + blocks[:k]  # blocks are the same size: any k of them
                 cells += [fmt_bytes(m[phase]["params"]), fmt_bytes(full_buffers(m["units"], n, alive))]
             peak = max(m["forward"]["total"], m["backward"]["total"])
-            lines.append(f"| {n} | {mode} | {limit} | " + " | ".join(cells) + f" | {fmt_bytes(peak)} |")
+            rows.append([mode if limit else f"{mode} (no limit_all_gathers)"] + cells + [fmt_bytes(peak)])
+        panels.append((f"N = {n}", md_table(["mode", "parameter bytes in forward, measured", "analytic",
+                                             "in backward, measured", "analytic", "peak of the step"], rows)))
     text = ("Peak bytes of parameters (shards + full buffers) per rank, rank 0, in a steady-state FSDP step of "
             "the timeline GPT; analytic: every shard plus the full buffers of the root and of the blocks "
-            "alive at once (one, or two with a prefetch)\n\n" + "\n".join(lines))
+            "alive at once (one, or two with a prefetch); limit_all_gathers=True except in the rows marked "
+            "(no limit_all_gathers)\n\n" + md_tabs(panels))
     write_report(text, markdown)
     return results

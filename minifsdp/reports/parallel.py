@@ -2,12 +2,12 @@
 all-reduce behind their weight-gradient matmul, the pipeline schedules, and the parallelisms side by side on 4 ranks.
 
     python -m minifsdp parallel --parts tp --markdown chapters/generated/parallel_tp.md
-    python -m minifsdp parallel --parts overlap --markdown chapters/generated/parallel_overlap.md --plot chapters/figures/tp_overlap.png
-    python -m minifsdp parallel --parts pp --markdown chapters/generated/parallel_pp.md --plot chapters/figures/pipeline_gantt.png
+    python -m minifsdp parallel --parts overlap --markdown chapters/generated/parallel_overlap.md --plot chapters/figures/tp_overlap.svg
+    python -m minifsdp parallel --parts pp --markdown chapters/generated/parallel_pp.md --plot chapters/figures/pipeline_gantt.svg
     python -m minifsdp parallel --parts compare --markdown chapters/generated/parallel_compare.md
 
 (`--markdown DIR` writes each part's table to DIR/parallel_<part>.md, `--markdown PREFIX` to PREFIX_<part>.md;
-`--plot` likewise for the two parts that draw: DIR/tp_overlap.png and DIR/pipeline_gantt.png, or PREFIX_<part>.png.)
+`--plot` likewise for the two parts that draw: DIR/tp_overlap.svg and DIR/pipeline_gantt.svg, or PREFIX_<part>.svg.)
 
 - tp: TinyGPT over a tensor-parallel group of t = 1, 2, 4 ranks (one launch per t; the model and batch of the
   tensor-parallel tests), with and without sequence parallelism: each rank's parameter bytes (MemoryMeter) against
@@ -58,11 +58,12 @@ from minifsdp.models import Block, GPTConfig, TinyGPT, gpt_batch
 from minifsdp.parallel import (ColumnParallelLinear, PipelineStage, Schedule1F1B, ScheduleGPipe,
                                ScheduleInterleaved1F1B, TensorParallelGPT, gpt_loss, split_gpt, stages_of_rank)
 from minifsdp.parallel.compose import allreduce_gradients
+from minifsdp.reports import style
 from minifsdp.reports.format import fmt_bytes, write_report
 from minifsdp.train import OPTIMIZERS
 
 PARTS = ("tp", "overlap", "pp", "compare")
-PLOTS = {"overlap": "tp_overlap.png", "pp": "pipeline_gantt.png"}  # the parts that draw, and their default file
+PLOTS = {"overlap": "tp_overlap.svg", "pp": "pipeline_gantt.svg"}  # the parts that draw, and their default file
 
 # the tensor-parallel tests' model and batch (tests/test_ch12_tensor_parallel.py)
 TP_CONFIG = GPTConfig(n_head=4, n_embd=32, vocab_size=96, n_layer=2, block_size=16)
@@ -432,18 +433,16 @@ def _short(layer: str) -> str:
     return f"{parts[-1]} {parts[1]}" if parts[0] == "blocks" else layer
 
 
+@style.charts
 def plot_overlap(results: dict, path: str) -> None:
     """The two paths' backward of median time, one above the other on one time axis (rank 0): a compute row (the
     column layers' matmuls labelled with their layer, the rest of backward grey, the time held by an all-reduce
     hatched) and a row for the input gradients' all-reduces, each labelled with its layer."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
-    other, matmul, reduce_ = "#c7c7c7", "#e6550d", "#6a51a3"
-    fig, axes = plt.subplots(len(PATHS), 1, figsize=(8, 4.8), sharex=True)
+    other, matmul, reduce_ = style.FILLS["grey"], style.FILLS["orange"], style.FILLS["purple"]
+    fig, axes = style.figure(5.0, len(PATHS), 1, sharex=True, squeeze=False)
+    axes = axes[:, 0]
     longest = max(max(s.end for s in results[p]["spans"]) - min(s.start for s in results[p]["spans"]) for p in PATHS)
     for ax, name in zip(axes, PATHS):
         r = results[name]["drawn"]
@@ -459,7 +458,7 @@ def plot_overlap(results: dict, path: str) -> None:
                 color = matmul if s.name.endswith(("weight gradient", "weight gradients")) else other
                 ax.broken_barh([ms(s)], (1.4, 0.8), facecolors=color, edgecolor="none")
         for s in blocked_spans(spans):  # (over the compute row: the timeline's "backward" runs on through a call)
-            ax.broken_barh([ms(s)], (1.4, 0.8), facecolors="white", edgecolor="0.3", hatch="////", linewidth=0.5)
+            ax.broken_barh([ms(s)], (1.4, 0.8), facecolors=other, edgecolor=style.MUTED, hatch="////", linewidth=0.5)
         for layer, m in matmuls:  # the layer's name above its matmul
             left, width = ms(m)
             ax.text(left + width / 2, 2.25, _short(layer), ha="center", va="bottom", fontsize=10)
@@ -469,24 +468,20 @@ def plot_overlap(results: dict, path: str) -> None:
             ax.broken_barh([(left, width)], (0.5, 0.8), facecolors=reduce_, edgecolor="none")
             # the k-th all-reduce is the k-th column layer's input gradient (both paths go layer by layer)
             label = _short(matmuls[k][0]) if k < len(matmuls) else ""
-            ax.text(left + width / 2, 0.45, label, ha="center", va="top", fontsize=10, color=reduce_)
-        ax.set_yticks([0.9, 1.8], ["all-reduce", "compute"], fontsize=10)
+            ax.text(left + width / 2, 0.45, label, ha="center", va="top", fontsize=10, color=style.LINES["purple"])
+        ax.set_yticks([0.9, 1.8], ["all-reduce", "compute"])
+        ax.tick_params(axis="y", length=0)
         ax.set_ylim(-0.2, 2.8)
         ax.set_xlim(0, longest * 1e3 * 1.01)
-        ax.tick_params(axis="x", labelsize=10)
         ax.set_title(f"{name}: backward {r['backward'] * 1e3:.0f} ms, {100 * r['hidden']:.0f}% of the input-gradient "
-                     f"all-reduces hidden", fontsize=11, loc="left")
-        for side in ("top", "right"):
-            ax.spines[side].set_visible(False)
-    axes[-1].set_xlabel("ms since backward began (rank 0 of t = 2 CPU ranks over gloo)", fontsize=10)
+                     f"all-reduces hidden", fontsize=10, loc="left")
+    axes[-1].set_xlabel("ms since backward began (rank 0 of t = 2 CPU ranks over gloo)")
     handles = [Patch(color=matmul, label="column layer's matmuls: dL/dx + dL/dW (sync), dL/dW (async)"),
                Patch(color=other, label="rest of backward"),
                Patch(color=reduce_, label="the input gradient's all-reduce"),
-               Patch(facecolor="white", edgecolor="0.3", hatch="////", label="in the all-reduce's call or wait")]
-    fig.legend(handles=handles, loc="upper center", ncol=2, fontsize=10, frameon=False, bbox_to_anchor=(0.5, 1.0))
-    fig.tight_layout(rect=(0, 0, 1, 0.88))
-    fig.savefig(path, dpi=170)
-    plt.close(fig)
+               Patch(facecolor=other, edgecolor=style.MUTED, hatch="////", label="in the all-reduce's call or wait")]
+    fig.legend(handles=handles, loc="outside lower center", ncol=1)
+    style.save(fig, path)
 
 
 # -- pipeline parallelism ----------------------------------------------------------------------------------------------
@@ -603,22 +598,21 @@ def pp_table(results: dict, p: int = PP_RANKS, m: int = PP_MICRO, config: GPTCon
     return head + "\n".join(lines) + per_rank + "\n".join(rows) + "\n"
 
 
-FORWARD_COLORS = ("#9ecae1", "#3182bd")   # forward through a rank's first stage, its second (interleaved)
-BACKWARD_COLORS = ("#fdae6b", "#e6550d")  # the same, backward
+FORWARD_COLORS = (style.FILLS["blue"], style.LINES["blue"])       # forward through a rank's first stage, its second
+BACKWARD_COLORS = (style.FILLS["orange"], style.LINES["orange"])  # the same, backward (interleaved 1F1B)
 
 
+@style.charts
 def plot_gantt(results: dict, path: str, p: int = PP_RANKS, m: int = PP_MICRO) -> None:
     """The schedules' timelines stacked, one panel each, on one time axis: a row per rank, a box per action,
-    forwards blue and backwards orange (darker: the rank's second stage), each labelled with its micro-batch;
-    white space is the bubble."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    forwards blue and backwards orange (darker: the rank's second stage), each labelled with its micro-batch
+    where the number fits in the box; empty space is the bubble."""
     from matplotlib.patches import Patch
 
-    fig, axes = plt.subplots(len(results), 1, figsize=(8, 1.0 + 1.75 * len(results)), sharex=True)
+    fig, axes = style.figure(1.0 + 1.9 * len(results), len(results), 1, sharex=True, squeeze=False)
+    axes = axes[:, 0]
     longest = max(end - start for start, end in (_extent(r["timelines"]) for r in results.values()))
+    labels = []  # (ax, x, y, width in ms, micro-batch): written once the layout says how wide a millisecond is
     for ax, (name, r) in zip(axes, results.items()):
         timelines = r["timelines"]
         origin, _ = _extent(timelines)
@@ -628,26 +622,26 @@ def plot_gantt(results: dict, path: str, p: int = PP_RANKS, m: int = PP_MICRO) -
                 chunk = action.stage // p
                 color = (FORWARD_COLORS if action.kind == "F" else BACKWARD_COLORS)[chunk]
                 left, width = (start - origin) * 1e3, (end - start) * 1e3
-                ax.broken_barh([(left, width)], (y + 0.05, 0.9), facecolors=color, edgecolor="white", linewidth=0.6)
-                ax.text(left + width / 2, y + 0.5, str(action.microbatch), ha="center", va="center", fontsize=10,
-                        color="white" if chunk else "black")
-        ax.set_yticks([p - 1 - k + 0.5 for k in range(p)], [f"rank {k}" for k in range(p)], fontsize=10)
+                ax.broken_barh([(left, width)], (y + 0.08, 0.84), facecolors=color, edgecolor="white", linewidth=0.6)
+                labels.append((ax, left + width / 2, y + 0.5, width, str(action.microbatch)))
+        ax.set_yticks([p - 1 - k + 0.5 for k in range(p)], [f"rank {k}" for k in range(p)])
+        ax.tick_params(axis="y", length=0)
         ax.set_ylim(0, p)
         ax.set_xlim(0, longest * 1e3 * 1.01)
-        ax.tick_params(axis="x", labelsize=10)
         ax.set_title(f"{name} (v = {r['v']}): bubble {statistics.mean(r['bubbles']):.3f} measured, "
-                     f"{r['formula']:.3f} by the formula", fontsize=11, loc="left")
-        for side in ("top", "right"):
-            ax.spines[side].set_visible(False)
-    axes[-1].set_xlabel(f"ms since the step began (p = {p}, m = {m}; the number in a box: its micro-batch)",
-                        fontsize=10)
+                     f"{r['formula']:.3f} by the formula", fontsize=10, loc="left")
+    axes[-1].set_xlabel(f"ms since the step began (p = {p}, m = {m}; in a box: its micro-batch)")
     handles = [Patch(color=FORWARD_COLORS[0], label="forward"), Patch(color=BACKWARD_COLORS[0], label="backward"),
                Patch(color=FORWARD_COLORS[1], label="forward, 2nd stage (v = 2)"),
                Patch(color=BACKWARD_COLORS[1], label="backward, 2nd stage")]
-    fig.legend(handles=handles, loc="upper center", ncol=4, fontsize=10, frameon=False, bbox_to_anchor=(0.5, 1.0))
-    fig.tight_layout(rect=(0, 0, 1, 0.95))
-    fig.savefig(path, dpi=170)
-    plt.close(fig)
+    fig.legend(handles=handles, loc="outside lower center", ncol=2)
+    fig.canvas.draw()
+    fig.set_layout_engine("none")  # the layout is final: the labels inside the boxes must not move it
+    points_per_ms = axes[0].get_window_extent().width * 72 / fig.dpi / (longest * 1e3 * 1.01)
+    for ax, x, y, width, label in labels:
+        if width * points_per_ms >= 0.65 * style.MIN_FONT_PT * len(label) + 2:  # only where the number fits
+            ax.text(x, y, label, ha="center", va="center", fontsize=10, color=style.INK)
+    style.save(fig, path)
 
 
 # -- the parallelisms side by side -------------------------------------------------------------------------------------
@@ -832,15 +826,16 @@ def _markdown_path(markdown: str | None, part: str, parts) -> str | None:
 
 
 def _plot_path(plot: str | None, part: str, parts) -> str | None:
-    """--plot, as --markdown: a file (with one part that draws), a directory (DIR/tp_overlap.png,
-    DIR/pipeline_gantt.png) or a prefix (PREFIX_<part>.png)."""
+    """--plot, as --markdown: a file (.svg or .png, with one part that draws), a directory (DIR/tp_overlap.svg,
+    DIR/pipeline_gantt.svg) or a prefix (PREFIX_<part>.svg; PREFIX.png gives PREFIX_<part>.png)."""
     if not plot:
         return None
     if os.path.isdir(plot):
         return os.path.join(plot, PLOTS[part])
-    if plot.endswith(".png") and len([p for p in parts if p in PLOTS]) == 1:
+    stem, ext = os.path.splitext(plot)
+    if ext in (".svg", ".png") and len([p for p in parts if p in PLOTS]) == 1:
         return plot
-    return f"{plot.removesuffix('.png')}_{part}.png"
+    return f"{stem}_{part}{ext}" if ext in (".svg", ".png") else f"{plot}_{part}.svg"
 
 
 def run_parallel_report(parts=PARTS, markdown: str | None = None, plot: str | None = None) -> None:

@@ -1,7 +1,8 @@
 """Chapter 6's measurements: FSDP's units and their payloads, and memory at each phase of one step.
 
     python -m minifsdp units  --world-size 2 --markdown chapters/generated/fsdp_units.md
-    python -m minifsdp phases --world-sizes 1 2 3 4 --plot chapters/figures/fsdp_phases.png --markdown chapters/generated/fsdp_phases.md
+    python -m minifsdp phases --world-sizes 1 2 3 4 --plot chapters/figures/fsdp_phases.svg --plot-world-size 2 \
+        --markdown chapters/generated/fsdp_phases.md
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from minifsdp.distributed.launch import launch
 from minifsdp.measure import analytic
 from minifsdp.measure.meter import MemoryMeter
 from minifsdp.models import TinyGPT
-from minifsdp.reports.format import fmt_bytes, plot_memory, write_report
+from minifsdp.reports.format import fmt_bytes, md_table, md_tabs, plot_memory, write_report
 from minifsdp.reports.tour import TOUR_MODEL
 from minifsdp.train import STRATEGIES, batch, loss_of
 
@@ -43,16 +44,18 @@ def _one_fsdp_step(steps: int = 2) -> list[dict]:
 
 def run_units_report(world_size: int = 2, markdown: str | None = None) -> list[dict]:
     rows = launch(_one_fsdp_step, world_size, device="cpu")[0]
-    lines = ["| unit | parameters | padded to N | payload per collective (P·4/N) | all-gathers / step "
-             "| reduce-scatters / step | bytes sent / step, computed | counted |", "|" + "---|" * 8]
+    table = []
     for r in rows:
         calls = r["all_gathers"] + r["reduce_scatters"]
         computed = calls * comm.ring_bytes("all_gather", r["padded"] * 4, world_size)
         r["computed"] = computed
         payload = analytic.collective_payload_bytes(r["padded"], world_size)
-        lines.append(f"| {r['unit']} | {r['numel']:,} | {r['padded']:,} | {fmt_bytes(payload)} | {r['all_gathers']} "
-                     f"| {r['reduce_scatters']} | {fmt_bytes(computed)} | {fmt_bytes(r['counted'])} |")
-    write_report(f"FSDP units of the tour's GPT (blocks as units, reshard after forward), fp32, world size "
+        size = f"{r['numel']:,}" if r["padded"] == r["numel"] else f"{r['numel']:,} → {r['padded']:,}"
+        table.append([r["unit"], size, fmt_bytes(payload), f"{r['all_gathers']} + {r['reduce_scatters']}",
+                      fmt_bytes(computed), fmt_bytes(r["counted"])])
+    lines = [md_table(["unit", "parameters (→ padded)", "payload per collective (P·4/N)",
+                       "all-gathers + reduce-scatters / step", "bytes sent / step, computed", "counted"], table)]
+    write_report(f"FSDP units of the tour GPT (blocks as units, reshard after forward), fp32, world size "
            f"{world_size}, rank 0: the root all-gathers once (it keeps its parameters from forward to "
            f"backward), every other unit twice\n\n" + "\n".join(lines), markdown)
     return rows
@@ -92,17 +95,43 @@ def fsdp_param_bytes(units: list[tuple[str, int]], n: int, alive: list[str]) -> 
     return sum(4 * padded / n for _, padded in units) + sum(4 * padded for name, padded in units if name in alive)
 
 
+PHASE_COLUMNS = {"params": "parameters", "grads": "gradients", "optim": "optimizer state",
+                 "analytic": "model states, analytic", "other": "activations + other", "total": "total"}
+
+
+def phase_table(phase: str, rows: list[dict]) -> str:
+    """One phase's table, a row per strategy. Seven columns would not fit the docs' column, and at each phase
+    some are empty: a column under 1 kB on every row (the gradients after forward, the activations after the
+    step) or with no analytic figure (the peak) is left out, and the caption says what it held."""
+    keep, notes = [], []
+    for col, label in PHASE_COLUMNS.items():
+        values = [r[col] for r in rows if r[col] is not None]
+        if not values:
+            notes.append(f"{label}: no closed form")
+        elif max(values) < 1e3:
+            notes.append(f"{label}: {fmt_bytes(max(values))}{' at most' if max(values) else ''}")
+        else:
+            keep.append(col)
+    caption = phase[0].upper() + phase[1:] + (f" ({'; '.join(notes)})" if notes else "")
+    return md_table(["strategy"] + [PHASE_COLUMNS[c] for c in keep],
+                    [[r["strategy"]] + ["—" if r[c] is None else fmt_bytes(r[c]) for c in keep] for r in rows],
+                    caption)
+
+
 def run_phases_report(world_sizes=(1, 2, 3, 4),
                       strategies=("ddp", "oss", "sdp", "fsdp", "fsdp_nraf", "torch_fsdp2"),
-                      plot: str | None = None, markdown: str | None = None) -> dict:
-    """Per-phase memory at each world size (table); the plot shows the last world size."""
+                      plot: str | None = None, markdown: str | None = None,
+                      plot_world_size: int | None = None) -> dict:
+    """Per-phase memory at each world size (table); the plot shows one of them, `plot_world_size` (default:
+    the last), a panel per phase, a bar per strategy."""
+    shown = world_sizes[-1] if plot_world_size is None else plot_world_size
+    if plot and shown not in world_sizes:
+        raise ValueError(f"--plot-world-size {shown} is not one of --world-sizes {list(world_sizes)}")
     psi = sum(p.numel() for p in TinyGPT(TOUR_MODEL).parameters())
-    lines = ["| N | strategy | phase | parameters | gradients | optimizer state | activations + other | total "
-             "| model states, analytic |", "|" + "---|" * 9]
-    results = {}
+    panels, results, shown_bars = [], {}, []
     for n in world_sizes:
         results[n] = launch(_phases, n, device="cpu", args=(list(strategies),))[0]
-        bars = []
+        cells = {phase: [] for phase in PHASES}
         for name in strategies:
             stage = STRATEGIES[name].stage
             model = analytic.model_state_bytes(psi, n, stage)
@@ -117,15 +146,18 @@ def run_phases_report(world_sizes=(1, 2, 3, 4),
                     units = results[n][name]["units"]
                     alive = [u for u, _ in units] if name == "fsdp_nraf" else ["(root)"]
                     states += fsdp_param_bytes(units, n, alive) - model["params"]
-                cells = " | ".join(fmt_bytes(m[c]) for c in ("params", "grads", "optim", "other", "total"))
-                shown = "—" if states is None else fmt_bytes(states)
-                lines.append(f"| {n} | {name} | {phase} | {cells} | {shown} |")
-                bars.append((f"{name}\n{phase.replace('after ', '')}", m, states or 0))
+                cells[phase].append({"strategy": name, **{c: m[c] for c in PHASE_COLUMNS if c in m},
+                                     "analytic": states})
+                if n == shown:
+                    shown_bars.append((name, m, states, phase))
+        panels.append((f"N = {n}", "\n\n".join(phase_table(phase, cells[phase]) for phase in PHASES)))
     write_report(f"Memory per rank (rank 0) at each phase of one step: tour GPT (Ψ = {psi:,}), AdamW, CPU; "
-           f"analytic model states per the ZeRO stage (for FSDP: 16Ψ/N over the padded units, plus the full "
-           f"buffer of every unit still unsharded)\n\n" + "\n".join(lines), markdown)
+                 f"analytic model states per the ZeRO stage (for FSDP: 16Ψ/N over the padded units, plus the full "
+                 f"buffer of every unit still unsharded). A tab per world size, a table per phase.\n\n"
+                 + md_tabs(panels), markdown)
     if plot:
-        plot_memory(bars, plot, f"memory per rank at each phase of a step, N = {world_sizes[-1]}",
-                    ylabel="MB per rank (rank 0)")
+        shown_bars.sort(key=lambda b: PHASES.index(b[3]))  # a panel per phase, a bar per strategy
+        plot_memory([b[:3] for b in shown_bars], plot, f"Memory per rank at each phase of the third step, N = {shown}",
+                    xlabel="MB per rank (rank 0)", panels=[b[3] for b in shown_bars])
         print(f"\nwrote {plot}")
     return results

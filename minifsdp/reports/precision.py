@@ -1,7 +1,7 @@
 """Chapter 8's measurements: memory and bytes per rank across precisions and offload, and loss curves.
 
     python -m minifsdp precision --world-size 2 --markdown chapters/generated/precision.md \
-        --plot chapters/figures/precision_loss.png
+        --plot chapters/figures/precision_loss.svg
 
 Every row trains a GPT with four blocks for a few AdamW steps under one strategy and one policy, and
 reports rank 0's meter (model states after the step, the parameter bytes' peak, the step's peak) and byte
@@ -16,7 +16,8 @@ from minifsdp.distributed.launch import launch
 from minifsdp.measure import analytic
 from minifsdp.mixed_precision import CPUOffload, MixedPrecision
 from minifsdp.models import GPTConfig, TinyGPT
-from minifsdp.reports.format import fmt_bytes, write_report
+from minifsdp.reports import style
+from minifsdp.reports.format import fmt_bytes, md_table, write_report
 from minifsdp.train import STRATEGIES, train
 
 CONFIG = GPTConfig(n_layer=4)
@@ -58,7 +59,7 @@ def model_states(psi: int, n: int, stage: int) -> tuple[float, float]:
 
 
 def loss_curves(steps: int = 300, world_size: int = 2) -> dict:
-    """The loss of FSDP training of the tiny GPT, in fp32, bf16, and fp16 with a loss scaler."""
+    """The loss of FSDP training of the default GPT (GPTConfig()), in fp32, bf16, and fp16 with a loss scaler."""
     fp16 = MixedPrecision(param_dtype=torch.float16)
     runs = {"fp32": dict(), "bf16": dict(mixed_precision=BF16),
             "fp16 + ShardedGradScaler": dict(mixed_precision=fp16, scaler=dict(init_scale=2.0 ** 15))}
@@ -67,20 +68,23 @@ def loss_curves(steps: int = 300, world_size: int = 2) -> dict:
             for label, kw in runs.items()}
 
 
+@style.charts
 def plot_losses(curves: dict, path: str, world_size: int = 2) -> None:
-    import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
-    fig, ax = plt.subplots(figsize=(7, 3.5))
+    fig, ax = style.figure(3.6)
     for label, losses in curves.items():
-        ax.plot(range(1, len(losses) + 1), losses, label=label, linewidth=1)
+        ax.plot(range(1, len(losses) + 1), losses, label=label, linewidth=1.2)
     ax.set_xlabel("step")
     ax.set_ylabel("training loss (rank 0)")
     ax.set_yscale("log")
+    ax.yaxis.set_major_locator(LogLocator(subs=(1, 2, 5)))  # plain numbers, even on less than a decade
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.yaxis.set_minor_formatter(NullFormatter())
+    ax.grid(True, which="major")
     ax.set_title(f"FSDP on {world_size} CPU ranks, tiny GPT, AdamW")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    style.save(fig, path)
 
 
 def run_precision_report(world_size: int = 2, markdown: str | None = None, plot: str | None = None,
@@ -88,20 +92,22 @@ def run_precision_report(world_size: int = 2, markdown: str | None = None, plot:
     res = launch(measure, world_size, device="cpu")[0]
     n = world_size
     psi = sum(p.numel() for p in TinyGPT(CONFIG).parameters())
-    lines = [f"Rank 0 of {n}, GPT with {CONFIG.n_layer} blocks (Ψ = {psi:,}), AdamW, {STEPS} steps, CPU\n",
-             "| strategy | precision | model states after the step | model: this design / ZeRO paper (2+2+K)Ψ "
-             "| parameter bytes, peak | peak of the step | network bytes per step | host ↔ device per step |",
-             "|---|---|---|---|---|---|---|---|"]
+    states, flows = [], []
     for (strategy, label), m in res.items():
         ours, zero = model_states(psi, n, STRATEGIES[strategy].stage)
         copies = m["comm_copies"]
         moved = (f"{fmt_bytes(copies.get('host_to_device', 0) / STEPS)} in, "
                  f"{fmt_bytes(copies.get('device_to_host', 0) / STEPS)} out") if copies else "-"
-        lines.append(f"| {strategy} | {label} | {fmt_bytes(_states(m['after_step']))} | {fmt_bytes(ours)} / "
-                     f"{fmt_bytes(zero)} | {fmt_bytes(m['params_peak'])} | {fmt_bytes(m['peak'])} "
-                     f"| {fmt_bytes(sum(m['comm_bytes'].values()) / STEPS)} | {moved} |")
+        states.append([strategy, label, fmt_bytes(_states(m["after_step"])), fmt_bytes(ours), fmt_bytes(zero)])
+        flows.append([strategy, label, fmt_bytes(m["params_peak"]), fmt_bytes(m["peak"]),
+                      fmt_bytes(sum(m["comm_bytes"].values()) / STEPS), moved])
+    lines = [f"Rank 0 of {n}, the 4-block GPT (Ψ = {psi:,}), AdamW, {STEPS} steps, CPU\n",
+             md_table(["strategy", "precision", "model states after the step", "model: this design",
+                       "model: ZeRO paper, (2+2+K)Ψ"], states, "Model states, measured and analytic"), "",
+             md_table(["strategy", "precision", "parameter bytes, peak", "peak of the step", "network bytes per step",
+                       "host ↔ device per step"], flows, "What shrinks: peaks and bytes moved")]
     curves = loss_curves(curve_steps, n)
-    lines += ["", f"**Loss after {curve_steps} steps** (FSDP, {n} ranks, the tiny GPT; mean of the last 20 steps)\n",
+    lines += ["", f"**Loss after {curve_steps} steps** (FSDP, {n} ranks, the default GPT; mean of the last 20 steps)\n",
               "| precision | loss |", "|---|---|"]
     for label, losses in curves.items():
         tail = losses[-20:]

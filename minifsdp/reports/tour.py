@@ -19,7 +19,7 @@ from minifsdp.distributed import comm
 from minifsdp.distributed.launch import launch
 from minifsdp.measure import analytic
 from minifsdp.models import GPTConfig
-from minifsdp.reports.format import fmt_bytes, plot_memory, write_report
+from minifsdp.reports.format import fmt_bytes, md_folded, md_table, md_tabs, plot_memory, write_report
 from minifsdp.train import OPTIMIZERS, STRATEGIES, max_abs_diff, train
 
 TOUR_MODEL = GPTConfig(vocab_size=96, block_size=64, n_layer=4, n_head=4, n_embd=64, tie_weights=True)
@@ -61,6 +61,7 @@ def strategy_rows(name: str, per_rank: list[dict], oracle: list[dict], optimizer
             "max_diff": max_abs_diff(res["params"], oracle[r]["params"]),
             # on a GPU the caching allocator's peak is the truth; on the CPU, the tracked storages
             "peak": res["allocator"].get("max_allocated", res["peak"]),
+            "alloc_retries": res["allocator"].get("num_alloc_retries"),  # CUDA only (None on the CPU)
             "states": states["params"] + states["grads"] + states["optim"],
             "states_analytic": model["total"],
             "other_at_peak": res["peak_by_category"]["other"],
@@ -71,20 +72,46 @@ def strategy_rows(name: str, per_rank: list[dict], oracle: list[dict], optimizer
     return rows
 
 
-def format_table(rows: list[dict], counted: bool = True) -> str:
-    """A Markdown table (readable as plain text too)."""
-    head = ("| rank | max abs diff vs torch DDP | peak memory | model states (measured) | model states (analytic) "
-            "| activations + other at peak | bytes sent / step | theory | step time |")
-    lines = [head, "|" + "---|" * 9]
-    for r in rows:
-        sent = fmt_bytes(r["bytes_per_step"]) if counted else "not counted"
-        lines.append(f"| {r['rank']} | {r['max_diff']:.3g} | {fmt_bytes(r['peak'])} | {fmt_bytes(r['states'])} "
-                     f"| {fmt_bytes(r['states_analytic'])} | {fmt_bytes(r['other_at_peak'])} | {sent} "
-                     f"| {fmt_bytes(r['bytes_theory'])} | {r['step_ms']:.1f} ms |")
-    return "\n".join(lines)
+def counted(name: str) -> bool:
+    """torch's own strategies talk to torch.distributed directly: minifsdp's counter never sees their bytes."""
+    return not name.startswith("torch")
 
 
-def run_tour(world_size: int = 2, steps: int = 5, device: str = "cpu", plot: str | None = "tour_memory.png",
+def format_tour(tables: dict[str, list[dict]]) -> str:
+    """The tour as Markdown: one row per strategy with what the home page compares (rank 0; the difference
+    from torch's DDP is the largest over the ranks), then every column for every rank, folded."""
+    summary = []
+    for name, rows in tables.items():
+        r0 = rows[0]
+        summary.append([f"{name} (the oracle)" if name == ORACLE else name,
+                        f"{max(r['max_diff'] for r in rows):.3g}", fmt_bytes(r0["states"]),
+                        fmt_bytes(r0["states_analytic"]),
+                        fmt_bytes(r0["bytes_per_step"]) if counted(name) else "not counted",
+                        fmt_bytes(r0["bytes_theory"])])
+    theirs = [name for name in tables if not counted(name)]
+    note = (f"{' and '.join(theirs)} {'is' if len(theirs) == 1 else 'are'} PyTorch's own: "
+            f"{'its' if len(theirs) == 1 else 'their'} collectives do not pass through minifsdp's counter."
+            if theirs else "")
+    memory, traffic = [], []
+    for name, rows in tables.items():
+        for r in rows:
+            memory.append([name, r["rank"], fmt_bytes(r["peak"]), fmt_bytes(r["states"]),
+                           fmt_bytes(r["states_analytic"]), fmt_bytes(r["other_at_peak"])])
+            traffic.append([name, r["rank"], f"{r['max_diff']:.3g}",
+                            fmt_bytes(r["bytes_per_step"]) if counted(name) else "not counted",
+                            fmt_bytes(r["bytes_theory"]), f"{r['step_ms']:.1f} ms"])
+    every_rank = "\n\n".join([
+        md_table(["strategy", "rank", "peak memory", "model states (measured)", "model states (analytic)",
+                  "activations + other at peak"], memory, "Memory"),
+        md_table(["strategy", "rank", "max abs diff vs torch DDP", "bytes sent / step", "theory", "step time"],
+                 traffic, "Parity, traffic and time")])
+    return "\n\n".join(part for part in [
+        md_table(["strategy", "max abs diff vs torch DDP", "model states (measured)", "model states (analytic)",
+                  "bytes sent / step", "theory"], summary), note,
+        md_folded("All columns, every rank: peak memory, activations, step time", every_rank)] if part)
+
+
+def run_tour(world_size: int = 2, steps: int = 5, device: str = "cpu", plot: str | None = "tour_memory.svg",
              markdown: str | None = None, optimizer: str = "adamw", global_batch: int = 8,
              strategies=None) -> dict:
     if steps < 2:
@@ -102,18 +129,11 @@ def run_tour(world_size: int = 2, steps: int = 5, device: str = "cpu", plot: str
     if comm_rank_or_zero() != 0:
         return {}
     psi = results[0][ORACLE]["psi"]
-    header = (f"minifsdp tour: tiny GPT, Ψ = {psi:,} parameters, {optimizer}, {steps} steps, "
+    header = (f"minifsdp tour: the tour GPT, Ψ = {psi:,} parameters, {optimizer}, {steps} steps, "
               f"world size {world_size}, device {device}, global batch {global_batch}")
-    sections, tables = [header], {}
-    for name in strategies:
-        rows = strategy_rows(name, [r[name] for r in results], [r[ORACLE] for r in results], optimizer)
-        tables[name] = rows
-        ours = not name.startswith("torch")
-        note = " (the oracle)" if name == ORACLE else "" if ours else " (torch's own, for comparison)"
-        note += "" if ours else "; its collectives do not pass through minifsdp's counter"
-        sections.append(f"### {name}{note}\n\n{format_table(rows, counted=ours)}")
-    text = "\n\n".join(sections)
-    write_report(text, markdown)
+    tables = {name: strategy_rows(name, [r[name] for r in results], [r[ORACLE] for r in results], optimizer)
+              for name in strategies}
+    write_report(f"{header}\n\n{format_tour(tables)}", markdown)
     if plot:
         bars = [(name, results[0][name]["peak_by_category"], tables[name][0]["states_analytic"])
                 for name in strategies]
@@ -136,7 +156,7 @@ def run_memory_report(strategies=("ddp",), world_sizes=(1, 2, 3, 4), steps: int 
 
     bars:  what the plot stacks -- "peak" (memory by category at the peak) or "after_step" (the model
            states after the optimizer step, with the peak as a dot).
-    model: "tour" (the tiny GPT, global batch 12) or "states-heavy" (STATES_HEAVY_MODEL, two sequences per rank).
+    model: "tour" (the tour GPT, global batch 12) or "states-heavy" (STATES_HEAVY_MODEL, two sequences per rank).
     """
     config, global_batch = MODELS[model]
     rows = []
@@ -151,36 +171,59 @@ def run_memory_report(strategies=("ddp",), world_sizes=(1, 2, 3, 4), steps: int 
             rows.append({**row, "strategy": name, "world_size": n, "measured": res["after_step"],
                          "peak_by_category": res["peak_by_category"], "psi": res["psi"],
                          "time_vs_first": statistics.median(res["step_times"]) / baseline})
-    lines = ["| strategy | N | params | grads | optimizer state | model states (analytic) | activations + other "
-             f"at peak | peak | bytes sent / step | theory | step time vs {strategies[0]} |", "|" + "---|" * 11]
-    for r in rows:
-        m = r["measured"]
-        lines.append(f"| {r['strategy']} | {r['world_size']} | {fmt_bytes(m['params'])} | {fmt_bytes(m['grads'])} "
-                     f"| {fmt_bytes(m['optim'])} | {fmt_bytes(r['states_analytic'])} "
-                     f"| {fmt_bytes(r['other_at_peak'])} | {fmt_bytes(r['peak'])} "
-                     f"| {fmt_bytes(r['bytes_per_step'])} | {fmt_bytes(r['bytes_theory'])} "
-                     f"| {r['time_vs_first']:.2f} |")
+    tables = format_memory_report(rows, list(strategies))
     batch = "global batch 12" if model == "tour" else "2 sequences per rank"
-    text = (f"{'tiny GPT' if model == 'tour' else 'states-heavy GPT'} (Ψ = {rows[0]['psi']:,}), {optimizer}, "
-            f"{batch}, per rank (rank 0), CPU\n\n"
-            + "\n".join(lines))
+    text = (f"{'tour GPT' if model == 'tour' else 'states-heavy GPT'} (Ψ = {rows[0]['psi']:,}), {optimizer}, "
+            f"{batch}, per rank (rank 0), CPU\n\n" + tables)
     write_report(text, markdown)
     if plot:
-        label = (lambda r: f"N={r['world_size']}") if len(strategies) == 1 else \
-            (lambda r: f"{r['strategy']}\nN={r['world_size']}")
+        # one strategy: a bar per world size; several: a panel per world size, a bar per strategy
+        one = len(strategies) == 1
+        label = (lambda r: f"N = {r['world_size']}") if one else (lambda r: r["strategy"])
+        panels = None if one else [f"N = {r['world_size']}" for r in rows]
         if bars == "peak":
             plot_memory([(label(r), r["peak_by_category"], r["states_analytic"]) for r in rows], plot,
-                        f"{', '.join(strategies)}: peak memory per rank by category")
+                        f"{', '.join(strategies)}: peak memory per rank by category", panels=panels)
         else:
             plot_memory([(label(r), r["measured"], r["states_analytic"]) for r in rows], plot,
                         f"{', '.join(strategies)}: memory per rank after the optimizer step",
-                        peaks=[r["peak"] for r in rows], ylabel="MB per rank (rank 0)")
+                        peaks=[r["peak"] for r in rows], xlabel="MB per rank (rank 0)", panels=panels)
         print(f"\nwrote {plot}")
     return rows
 
 
+def format_memory_report(rows: list[dict], strategies: list[str]) -> str:
+    """Two tables, each within format.MAX_COLUMNS: the model states after the step (measured next to the
+    analytic model), then the step's peak and the bytes sent (next to the theory). One strategy: a row per
+    world size. Several: a tab per world size, a row per strategy."""
+    state_head = ["params", "grads", "optimizer state", "model states (measured)", "model states (analytic)"]
+    peak_head = ["activations + other at peak", "peak", "bytes sent / step", "theory"]
+    captions = ("Model states after the optimizer step", "Peak of the step, and bytes sent")
+
+    def states(r):
+        m = r["measured"]
+        return [fmt_bytes(m["params"]), fmt_bytes(m["grads"]), fmt_bytes(m["optim"]), fmt_bytes(r["states"]),
+                fmt_bytes(r["states_analytic"])]
+
+    def peak(r):
+        return [fmt_bytes(r["other_at_peak"]), fmt_bytes(r["peak"]), fmt_bytes(r["bytes_per_step"]),
+                fmt_bytes(r["bytes_theory"])]
+
+    if len(strategies) == 1:  # the step time against itself would be 1.00 on every row
+        return "\n\n".join([md_table(["N"] + state_head, [[r["world_size"]] + states(r) for r in rows], captions[0]),
+                            md_table(["N"] + peak_head, [[r["world_size"]] + peak(r) for r in rows], captions[1])])
+    panels = []
+    for n in dict.fromkeys(r["world_size"] for r in rows):
+        at_n = [r for r in rows if r["world_size"] == n]
+        panels.append((f"N = {n}", "\n\n".join([
+            md_table(["strategy"] + state_head, [[r["strategy"]] + states(r) for r in at_n], captions[0]),
+            md_table(["strategy"] + peak_head + [f"step time vs {strategies[0]}"],
+                     [[r["strategy"]] + peak(r) + [f"{r['time_vs_first']:.2f}"] for r in at_n], captions[1])])))
+    return md_tabs(panels)
+
+
 def run_partition_report(world_sizes=(2, 3, 4, 5, 6, 7, 8), markdown: str | None = None) -> list[dict]:
-    """Chapter 3: how evenly each way of splitting the tiny GPT's parameters loads the ranks.
+    """Chapter 3: how evenly each way of splitting the tour GPT's parameters loads the ranks.
 
     Imbalance = the largest rank's share over the mean share; every rank must be provisioned for the
     largest, so 1.25 means 25% more memory than a perfect split. No process group is needed: a partition
@@ -203,7 +246,7 @@ def run_partition_report(world_sizes=(2, 3, 4, 5, 6, 7, 8), markdown: str | None
         return out
 
     huge = torch.nn.Sequential(torch.nn.Linear(1000, 1000), torch.nn.Linear(1000, 10))
-    rows = report(f"tiny GPT (Ψ = {sum(p.numel() for p in TinyGPT(TOUR_MODEL).parameters()):,})",
+    rows = report(f"tour GPT (Ψ = {sum(p.numel() for p in TinyGPT(TOUR_MODEL).parameters()):,})",
                   TinyGPT(TOUR_MODEL)) + report("one 1000x1000 layer + a small one", huge)
     lines = ["| model | N | greedy by size (OSS) | consecutive by order | flat slices |", "|---|---|---|---|---|"]
     lines += [f"| {r['model']} | {r['world_size']} | {r['greedy']:.3f} | {r['by_order']:.3f} | {r['flat']:.4f} |"

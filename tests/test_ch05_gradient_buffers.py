@@ -1,0 +1,49 @@
+"""Chapter 5: the flat gradient is a concatenation -- two flat sizes of gradient alive at once, measured.
+
+The views of a unit are cut by one split of its flat parameter, and autograd's backward of a split copies the
+per-parameter gradients (zeros for the gaps) into a new flat gradient. The meter, on one unit of odd sizes at
+two ranks (minifsdp/reports/grad_buffers.py, `python -m minifsdp grad-buffers`), must find exactly what
+analytic.fsdp_gradient_bytes counts. The rest of the "other" bytes are the loss and its gradient, 4 bytes
+each: the unit is fed a single row, so the activations are gone by the time the flat gradient is made.
+"""
+
+import pytest
+
+from minifsdp import launch
+from minifsdp.measure import analytic
+from minifsdp.reports.grad_buffers import measure
+
+SCALARS = 8  # the loss and its gradient, one fp32 each
+
+
+@pytest.fixture(scope="module")
+def res():
+    return launch(measure, world_size=2, device="cpu")[0]
+
+
+@pytest.mark.mechanism  # measured memory
+@pytest.mark.exercise("5.3")
+def test_the_split_backward_holds_two_flat_gradients(res):
+    ours = res["ours"]
+    # 60x50 + 50 + 50x30 + 30 = 4,580 parameters, each started on a 16-element boundary: 4,608 with the gaps
+    assert (ours["numel"], ours["padded"]) == (4580, 4608)
+    model = analytic.fsdp_gradient_bytes(ours["padded"], world_size=2)
+    assert model["concat"] == 2 * 4 * 4608
+    assert ours["concat"] == model["concat"] + SCALARS
+
+
+@pytest.mark.mechanism  # measured memory
+@pytest.mark.exercise("5.2")
+def test_gloo_allocates_an_input_sized_buffer_and_the_shard_is_what_stays(res):
+    ours = res["ours"]
+    model = analytic.fsdp_gradient_bytes(ours["padded"], world_size=2)
+    assert ours["reduce_scatter"] == model["reduce_scatter"] + SCALARS  # in place, plus gloo's own buffer
+    assert ours["kept"] == model["kept"] == 4 * 4608 / 2
+    assert analytic.fsdp_gradient_bytes(4608, 2, backend_buffer=False)["reduce_scatter"] == 4 * 4608
+
+
+def test_torch_fsdp1_holds_the_same_two_flat_gradients_beside_its_full_parameters(res):
+    theirs = res["torch"]
+    flat = 4 * theirs["padded"]  # packed end to end: no gaps, padded to a multiple of N only
+    assert theirs["padded"] == 4580
+    assert theirs["peak"] == theirs["shard"] + flat + 2 * flat + SCALARS
