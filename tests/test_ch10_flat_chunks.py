@@ -12,7 +12,7 @@ import random
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from test_ch10_fsdp_state_dicts import Collectives  # the c10d-op spy: every collective, through comm or not
 
 from minifsdp import comm, launch
 from minifsdp.checkpoint.flat_chunks import boxes, flat_start, sharded_piece
@@ -99,17 +99,6 @@ def pieces_of_a_flat_buffer(shapes):
     return out
 
 
-class Collectives(TorchDispatchMode):
-    """Every collective issued inside the block, by minifsdp's comm or straight through torch.distributed."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace == "c10d":
-            self.ops.append(str(func))
-        return func(*args, **(kwargs or {}))
 
 
 SHAPES_IN_A_BUFFER = [(4, 5), (3,), (2, 3, 4), ()]
