@@ -1,7 +1,7 @@
 # Every figure and table in the docs is made by one of these commands (see chapters/*.md).
 PY ?= python
 
-.PHONY: setup test tour diagrams figures notebooks docs docs-student serve student grade
+.PHONY: setup test tour diagrams figures notebooks docs docs-student serve student grade grading bypasses
 
 setup:            ## install minifsdp and what the tests need (CPU torch on a machine without a GPU)
 	bash .ci/setup
@@ -23,6 +23,7 @@ diagrams:         ## draw the chapters' SVG diagrams (plain Python: chapters/dia
 figures: diagrams ## regenerate every figure and table the chapters include
 	$(PY) -m minifsdp tour --world-size 2 --steps 5 --plot chapters/figures/tour_memory.svg --markdown chapters/generated/tour_ws2.md
 	$(PY) -m minifsdp.reports.models --markdown chapters/generated/models.md
+	$(PY) -m minifsdp.reports.exercises --markdown chapters/generated/exercises.md
 	$(PY) -m minifsdp memory --world-sizes 1 2 3 4 --bars peak --plot chapters/figures/ddp_memory.svg --markdown chapters/generated/ddp_memory.md
 	$(PY) -m minifsdp demo --world-size 3 > chapters/generated/demo_ws3.txt
 	$(PY) -m minifsdp memory --strategies ddp oss sdp --world-sizes 1 2 3 4 --plot chapters/figures/zero12_memory.svg --markdown chapters/generated/zero12_memory.md
@@ -71,3 +72,9 @@ student:          ## a student copy with the exercise solutions removed, in ./st
 
 grade:            ## run each chapter's tests and print a per-chapter score
 	$(PY) -m minifsdp grade .
+
+grading:          ## what grading costs: an untouched student copy, a solved copy, one chapter (the guide's table)
+	$(PY) -m minifsdp.reports.grading --markdown chapters/generated/grading.md
+
+bypasses:         ## every wrong solution in instructor/bypasses/ against every test of its exercise
+	$(PY) instructor/bypasses/check.py

@@ -47,6 +47,7 @@ from minifsdp import GPTConfig, MemoryMeter, ModuleWrapPolicy, TinyGPT, events, 
 from minifsdp.fsdp import FullyShardedDataParallel
 from minifsdp.measure.meter import CATEGORIES, _Tracker
 from minifsdp.models import Block
+from minifsdp.reports.format import md_folded, md_table
 
 from fsdp_vs_torch import unsharded_buffers  # (bench/): each design's full-parameter buffers
 
@@ -308,24 +309,40 @@ def summary(results: dict) -> dict:
     return rows
 
 
+def _phases(phases: list[str]) -> str:
+    return phases[0] if len(set(phases)) == 1 else " / ".join(phases)
+
+
 def markdown(results: dict) -> str:
-    """One row per shape: each design's peak per rank (max over ranks / rank 0, MiB) and the phase of its
-    peak; minifsdp's ratio to each torch design (max over ranks) and the difference in bytes."""
+    """One row per shape: each design's peak per rank (the largest over ranks, MiB) and minifsdp's ratio to each
+    torch design; folded under it, each shape's Ψ, N and optimizer, rank 0's peaks with the phase of each
+    design's largest, and minifsdp's difference in bytes (the docs' column holds six columns, md_table)."""
     pool = {**FAMILY, **TINY}
     rows = summary(results)
     designs = [d for d in DESIGNS if d in next(iter(results.values()))]
     refs = [d for d in designs if d != "minifsdp"] if "minifsdp" in designs else []
-    head = ("| shape | Ψ | N | opt | " + " | ".join(f"{LABELS[d]}: max / rank 0 (MiB), phase" for d in designs)
-            + "".join(f" | minifsdp / {LABELS[d][6:]}" for d in refs)
-            + "".join(f" | minifsdp − {LABELS[d][6:]} (bytes)" for d in refs))
-    lines = [head + " |", "|" + "---|" * head.count("|")]
-    for name, row in rows.items():
-        s = pool[name]
-        cells = [f"{row[d]['max'] / MiB:.3f} / {row[d]['rank0'] / MiB:.3f}, {row[d]['phase']}" for d in designs]
-        cells += [f"{row[f'ratio_{d}']:.4f}" for d in refs]
-        cells += [f"{row['minifsdp']['max'] - row[d]['max']:+,}" for d in refs]
-        lines.append(f"| {name} | {s.params():,} | {s.world_size} | {s.optimizer} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    return layout(designs, refs, {name: {
+        "shape": [f"{pool[name].params():,}", str(pool[name].world_size), pool[name].optimizer],
+        "max": {d: f"{row[d]['max'] / MiB:.3f}" for d in designs},
+        "rank0": {d: f"{row[d]['rank0'] / MiB:.3f}" for d in designs},
+        "phase": {d: row[d]["phase"] for d in designs},
+        "ratio": {d: f"{row[f'ratio_{d}']:.4f}" for d in refs},
+        "diff": {d: f"{row['minifsdp']['max'] - row[d]['max']:+,}" for d in refs}} for name, row in rows.items()})
+
+
+def layout(designs: list[str], refs: list[str], cells: dict[str, dict]) -> str:
+    """The tables of `markdown`, from its figures as printed (shape -> its cells)."""
+    main = md_table(["shape", *(LABELS[d] for d in designs), *(f"minifsdp / {LABELS[d][6:]}" for d in refs)],
+                    [[name, *(c["max"][d] for d in designs), *(c["ratio"][d] for d in refs)]
+                     for name, c in cells.items()],
+                    caption="Peak per rank, MiB (the largest rank's)")
+    shapes = md_table(["shape", "Ψ", "N", "optimizer", *(f"minifsdp − {LABELS[d][6:]} (bytes)" for d in refs)],
+                      [[name, *c["shape"], *(c["diff"][d] for d in refs)] for name, c in cells.items()])
+    rank0 = md_table(["shape", *(f"rank 0: {LABELS[d]}" for d in designs), "phase of each peak"],
+                     [[name, *(c["rank0"][d] for d in designs), _phases([c["phase"][d] for d in designs])]
+                      for name, c in cells.items()])
+    return "\n\n".join([main, md_folded("The shapes, the differences in bytes, rank 0's peaks (MiB) and their phases",
+                                         shapes + "\n\n" + rank0)])
 
 
 def diagnose(results: dict, top: int = 8, ops: int = 0, every: bool = False) -> str:

@@ -63,6 +63,7 @@ from interleave import rank_batch, time_interleaved
 from minifsdp import (DistributedDataParallel, GPTConfig, MemoryMeter, ShardedDataParallel, TinyGPT, analytic,
                       launch)
 from minifsdp.reports import style
+from minifsdp.reports.format import MAX_COLUMNS, md_table, md_tabs
 from oss_vs_zero import sharded_optimizer
 
 # name -> (label, ZeRO stage of its model states)
@@ -292,19 +293,27 @@ def markdown(res: dict) -> str:
         f"step by step, as many at a time as {res['budget'] / 1e9:.0f} GB allow (all ranks, estimated); "
         f"— : over that budget even alone. Ψ (layers × width): " + ", ".join(dict.fromkeys(
             f"{psi_text(c['psi'])} ({c['shape']})" for c in res["cases"])) + ".\n")
-    states = "model states DDP / OSS / SDP / FSDP (analytic)"
-    for title, key, fmt in (("Peak memory per rank, MB", "peaks", mb), ("Median step time, ms", "times", ms)):
-        add(f"**{title}**\n")
-        add("| Ψ | N | run | " + " | ".join(labels) + (f" | {states} |" if key == "peaks" else " |"))
-        add("|---|---|---|" + "---|" * (len(names) + (key == "peaks")))
-        for c in res["cases"]:
-            cells = [fmt(c[key][n]) if n in c[key] else "—" for n in names]
-            row = f"| {psi_text(c['psi'])} | {c['n']} | {c['how']} | " + " | ".join(cells) + " |"
-            if key == "peaks":
-                row += " " + " / ".join(mb(analytic.model_state_bytes(c["psi"], c["n"], s)["total"])
-                                        for s in range(4)) + " |"
-            add(row)
-        add("")
+    # A tab per N, a column per Ψ and a row per contender, each minifsdp strategy beside its torch counterpart:
+    # eight contenders as columns would scroll sideways in the docs' column (format.MAX_COLUMNS).
+    order = sorted(names, key=lambda n: CONTENDERS[n][1])
+    stages = sorted({CONTENDERS[n][1] for n in names})
+    tabs = []
+    for n in res["world_sizes"]:
+        at = [c for c in res["cases"] if c["n"] == n]
+        body = []
+        for title, key, fmt in (("Peak memory per rank, MB", "peaks", mb), ("Median step time, ms", "times", ms)):
+            for chunk in range(0, len(at), MAX_COLUMNS - 1):
+                cases = at[chunk:chunk + MAX_COLUMNS - 1]
+                rows = [["run", *(c["how"] for c in cases)]] if key == "peaks" else []
+                rows += [[CONTENDERS[name][0], *(fmt(c[key][name]) if name in c[key] else "—" for c in cases)]
+                         for name in order]
+                if key == "peaks":
+                    rows += [[f"model states, {STAGE_NAMES[s]} (analytic)",
+                              *(mb(analytic.model_state_bytes(c["psi"], c["n"], s)["total"]) for c in cases)]
+                             for s in stages]
+                body.append(md_table(["Ψ", *(psi_text(c["psi"]) for c in cases)], rows, caption=title))
+        tabs.append((f"N = {n}", "\n\n".join(body)))
+    add(md_tabs(tabs) + "\n")
     rows = ratios(res)
     pairs = [(a, b) for a, b in PAIRS if a in names and b in names]
     if pairs:
@@ -327,12 +336,11 @@ def markdown(res: dict) -> str:
         add("")
     ns = res["world_sizes"]
     add("**Log-log slopes in Ψ** over the three largest Ψ each ran at: peak ∝ Ψ^a, step time ∝ Ψ^k\n")
-    add("| | " + " | ".join(f"a at N={n}" for n in ns) + " | " + " | ".join(f"k at N={n}" for n in ns) + " |")
-    add("|---|" + "---|" * (2 * len(ns)))
-    for name, label in zip(names, labels):
-        cells = [slope(curve(res, name, n, key)) for key in ("peaks", "times") for n in ns]
-        add(f"| {label} | " + " | ".join("—" if s is None else f"{s:.2f}" for s in cells) + " |")
-    add("")
+    for letter, key in (("a", "peaks"), ("k", "times")):
+        add(md_table(["", *(f"{letter} at N={n}" for n in ns)],
+                     [[CONTENDERS[name][0], *("—" if s is None else f"{s:.2f}"
+                                              for s in (slope(curve(res, name, n, key)) for n in ns))]
+                      for name in order]) + "\n")
     if len(ns) > 1:
         add(f"**Peak per rank as N grows**, at the largest Ψ each ran at with every N: peak(N) / peak(N={ns[0]}), "
             f"measured (model states), and the fitted peak ∝ N^b\n")

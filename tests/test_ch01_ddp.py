@@ -224,7 +224,8 @@ def test_averages_are_copied_into_the_gradients_autograd_made(ranks, n):
     assert all(res["same_grad"].values()), res["same_grad"]
 
 
-@pytest.mark.exercise("1.2")
+# No exercise mark: the error is raised by the given code that checks every parameter got a gradient,
+# before any bucket is launched -- a student copy passes it too, so it grades the chapter, not 1.2.
 def test_unused_parameter_without_find_unused_is_a_clear_error():
     with pytest.raises(RankFailedError, match=r"received no gradient.*extra\.weight.*find_unused_parameters=True"):
         launch(grads_after_one_step, world_size=2, device="cpu", args=(False, 25, 2))

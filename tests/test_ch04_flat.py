@@ -107,7 +107,7 @@ def ranks():
 
 
 # -- parity ---------------------------------------------------------------------------------------------------
-@pytest.mark.exercise("4.3")
+@pytest.mark.exercise("4.2")
 @pytest.mark.parametrize("n", WORLD_SIZES)
 @pytest.mark.parametrize("model", MODELS)
 @pytest.mark.parametrize("opt", OPTIMS)
@@ -122,7 +122,7 @@ def test_matches_torch_ddp(ranks, n, model, opt):
     assert max_abs_diff(ranks[n][0]["final"][(model, opt)], build_model(model, seed=0).state_dict()) > 1e-3
 
 
-@pytest.mark.exercise("4.3")
+@pytest.mark.exercise("4.2")
 @pytest.mark.parametrize("n", WORLD_SIZES)
 def test_unused_params_do_not_hang_and_zero2_is_zero1_bit_for_bit(ranks, n):
     for r in range(n):
@@ -170,7 +170,7 @@ def measure():
 
 
 @pytest.mark.mechanism
-@pytest.mark.exercise("4.3")
+@pytest.mark.exercise("4.2")
 @pytest.mark.parametrize("n", WORLD_SIZES)
 def test_bytes_per_step_are_ddps_up_to_padding(ranks, n):
     m = ranks[n][0]["measure"]
@@ -182,7 +182,7 @@ def test_bytes_per_step_are_ddps_up_to_padding(ranks, n):
 
 
 @pytest.mark.mechanism
-@pytest.mark.exercise("4.3")
+@pytest.mark.exercise("4.2")
 @pytest.mark.parametrize("n", WORLD_SIZES)
 def test_each_rank_ends_backward_with_the_gradients_of_its_slice_only(ranks, n):
     for r in range(n):
@@ -197,7 +197,7 @@ def test_each_rank_ends_backward_with_the_gradients_of_its_slice_only(ranks, n):
 
 
 @pytest.mark.mechanism
-@pytest.mark.exercise("4.3")
+@pytest.mark.exercise("4.2")
 def test_reduce_scatters_start_during_backward(ranks):
     # the first bucket (the last layers) went out before backward reached the embedding
     for n in WORLD_SIZES:
@@ -206,7 +206,7 @@ def test_reduce_scatters_start_during_backward(ranks):
 
 
 @pytest.mark.mechanism
-@pytest.mark.exercise("4.3")
+@pytest.mark.exercise("4.2")
 @pytest.mark.parametrize("n", WORLD_SIZES)
 def test_each_reduce_scatter_is_waited_for_only_once_the_next_bucket_is_computed(ranks, n):
     # asynchronous: bucket k's reduce-scatter travels while backward computes bucket k + 1's gradients, and
@@ -241,7 +241,7 @@ def accumulate(strategy, how):
     return {k: v.clone() for k, v in model.state_dict().items()}, sent, kept
 
 
-@pytest.mark.exercise("4.3")
+@pytest.mark.exercise("4.2")
 @pytest.mark.parametrize("n", WORLD_SIZES)
 @pytest.mark.parametrize("how", ("no_sync", "twice"))
 def test_accumulation_matches_torch(ranks, n, how):

@@ -1,30 +1,50 @@
 """Chapter 10: save and load training state for every strategy, at any world size (minifsdp/checkpoint).
 
 The heart of it: a run saved at step 2 and resumed -- by the same strategy or another, on the same number of
-ranks or another -- reaches step 3 where the uninterrupted run does. Every strategy (DDP, OSS, SDP, their flat
-versions, FSDP with and without resharding after forward, torch's fully_shard, FSDP in bf16 mixed precision,
-FSDP with CPU offload) x SGD with momentum and AdamW x {the same world size (1, 2, 3), 2 -> 3, 3 -> 2, 4 -> 1,
-1 -> 4}, and, for each strategy, a resume by another one. Both step-3 checkpoints are turned into plain dicts
-(dcp_to_torch_save) and compared: every parameter, every optimizer state tensor of every parameter
-(momentum_buffer; exp_avg, exp_avg_sq and the step count, which must match exactly).
+ranks or another -- reaches step 3 where the uninterrupted run does. Both step-3 checkpoints are turned into
+plain dicts (dcp_to_torch_save) and compared: every parameter, every optimizer state tensor of every parameter
+(momentum_buffer; exp_avg, exp_avg_sq and the step count, which must match exactly). The model is the default
+GPT with one block (MODEL): the same kinds of tensors as with two, 15 parameters to save and compare, not 26.
 
-Tolerance:
+Which resumes, and why these. checkpoint/state.py reaches each strategy's state through one of five layouts
+(strategy_of(), which test_load_returns_step_extra_strategy_and_world_size checks against LAYOUTS): replicated
+(DDP), oss (OSS and SDP: each parameter's optimizer state whole, on its owner), flat (the flat ZeRO-1 and ZeRO-2:
+rank r's chunk of every flat bucket), fsdp (minifsdp's FSDP with and without resharding after forward, in bf16,
+with CPU offload: pieces of each unit's flat shard; at one rank NO_SHARD, plain views) and dtensor (torch's
+fully_shard). What a save writes and a load reads in place depends on the layout and the world size, not on
+which strategy of a layout runs it, nor on the optimizer: a momentum buffer, exp_avg and exp_avg_sq are cut as
+their parameter is, in either direction, and AdamW's 0-dim step is whole wherever a piece of its parameter is.
+What the strategies of one layout do differently is train, which the same-size resumes check bit for bit. So:
+- the same world size (SAME): every strategy, with SGD-momentum and with AdamW, at 3 ranks (uneven shards, and
+  DDP's rebuilt buckets change the sums there), and FSDP at 1 rank too (NO_SHARD);
+- another world size (MOVES): the first strategy of each layout from 2 to 3 ranks with one optimizer and from
+  3 to 2 with the other, swapped from one layout to the next, so each optimizer goes up and down; FSDP also
+  4 -> 1 and 1 -> 4 (sharded to NO_SHARD and back), and FSDP in bf16 3 -> 2;
+- another strategy (OTHERS), at another world size too: each strategy's checkpoint resumed by another one, so
+  every layout is written by one and read by another;
+- every N -> M of 1..4 for FSDP (AdamW): loaded, then saved again at once, gives back the same checkpoint, bit
+  for bit -- no step after the load, so no tolerance.
+FSDP in mixed precision or with CPU offload needs a sharded unit: at one rank FSDP runs NO_SHARD, which takes
+neither (as PyTorch's), so those two run at 2 and 3 ranks only.
+
+Tolerance (measured over the jobs of RESUMES, the largest of compare()'s values, and with STOP = 4 for two
+steps after the load):
 - same strategy, same world size: bit-exact, and the whole checkpoint (random generators, step, extra, the
   hyper-parameters) identical. A load puts back the very bits that were saved, and the resumed run repeats
   the same arithmetic in the same order -- DDP's buckets included: rebuilt in the order gradients arrived
   after its first backward, they group the all-reduce's sums, so the checkpoint keeps them (without that,
-  DDP and OSS at 3 ranks were 7.5e-9 off).
-- another world size or another strategy, fp32: 1e-6 absolute (measured: 1.2e-7 on the parameters, one last
-  bit of a LayerNorm weight near 1; 3.4e-8 on the momentum). The loaded state is exact; what differs is the
+  DDP and OSS at 3 ranks were 3.7e-9 off).
+- another world size or another strategy, fp32: 1e-6 absolute (measured: 6.0e-8 on the parameters, one last
+  bit of a LayerNorm weight near 1; 3.0e-8 on the momentum). The loaded state is exact; what differs is the
   step after it: the global batch is the same, but it is split into another number of slices, whose
   gradients are summed in another order (and each strategy reduces in buckets and chunks of its own), so the
-  last bit of some gradients differs. (Two steps after the load: the same 1.2e-7 and 5.6e-8.)
-- bf16 mixed precision, another world size or strategy: 4e-3 absolute (measured: 1.9e-4 on the parameters,
-  7.3e-4 on the momentum; two steps after the load: 2.6e-4 and 9.8e-4). The same cause, but the gradients
-  are reduced in bf16, whose 8-bit mantissa rounds a sum of ~0.2 in steps of 2^-10 ~ 1e-3, not fp32's 2^-26:
-  a momentum buffer differs by such a step, and the fp32 master parameters by about lr times it.
-FSDP in mixed precision or with CPU offload needs a sharded unit: at one rank FSDP runs NO_SHARD, which takes
-neither (as PyTorch's), so those two run at 2-4 ranks, and 4 -> 2 and 2 -> 4 stand in for 4 -> 1 and 1 -> 4.
+  last bit of some gradients differs. (Two steps after the load: 6.0e-8 and 3.5e-8.)
+- bf16 mixed precision, another world size or strategy: 4e-3 absolute (measured: 4.9e-4 on the momentum, and
+  on the parameters 2.4e-5 with SGD, 5.9e-4 with AdamW; two steps after the load: 8.2e-4, 5.9e-5, 6.1e-4).
+  The same cause, but the gradients are reduced in bf16, whose 8-bit mantissa rounds in relative steps of
+  2^-8, not fp32's 2^-24: a gradient, and the momentum buffer it is added to, differ by such a step (4.9e-4 =
+  2^-11, the step between 1/16 and 1/8); SGD moves the fp32 master parameters by lr (0.05) times it, AdamW
+  divides by the root of v, so where gradients are small the step changes by a fair part of its lr (3e-3).
 
 The ranks are launched once per world size for all the uninterrupted runs, then once per world size for all
 the resumed ones (module-scoped fixtures); the other checks -- a rank killed in the middle of a save, a
@@ -51,10 +71,10 @@ from minifsdp.state_dict import get_full_state_dict
 from minifsdp.train import STRATEGIES, batch, build_model, loss_of
 
 GB = 12            # the global batch, whatever the world size: 12 divides by 1, 2, 3 and 4
+MODEL = GPTConfig(n_layer=1)  # the default GPT with one block (FSDP: the root's unit and the block's)
 START, STOP = 2, 3  # the uninterrupted run saves at both; a resumed run loads START, trains to STOP and saves
 OPTIMS = ("sgd", "adamw")
 TOL = {"fp32": 1e-6, "bf16": 4e-3}
-SAME_N = (1, 2, 3)  # 4 ranks are resumed from 1 (and 2) only: the slowest world size on two cores
 
 # name: (strategy, bf16 mixed precision, CPU offload)
 CONFIGS = {
@@ -71,26 +91,28 @@ CONFIGS = {
     "torch_fsdp2_bf16": ("torch_fsdp2", True, False),  # only resumes fsdp_bf16: the same policy, torch's code
 }
 SOURCES = [c for c in CONFIGS if c != "torch_fsdp2_bf16"]
-SHARDED_ONLY = {"fsdp_bf16", "fsdp_offload", "torch_fsdp2_bf16"}  # no NO_SHARD at one rank (see above)
 
-
-def world_sizes(config):
-    return (2, 3, 4) if config in SHARDED_ONLY else (1, 2, 3, 4)
-
-
-def pairs(config):
-    return ((2, 3), (3, 2), (4, 2), (2, 4)) if config in SHARDED_ONLY else ((2, 3), (3, 2), (4, 1), (1, 4))
-
-
-# each strategy resumed by another: (source, N, M, target); the first four are the ones the chapter names
-OTHERS = [("fsdp", 4, 1, "ddp"), ("fsdp", 4, 3, "oss"), ("sdp", 2, 3, "oss_flat"), ("torch_fsdp2", 2, 3, "fsdp"),
-          ("ddp", 1, 4, "fsdp"), ("oss", 3, 2, "sdp_flat"), ("oss_flat", 3, 2, "torch_fsdp2"),
-          ("sdp_flat", 1, 4, "fsdp_nraf"), ("fsdp_nraf", 3, 2, "sdp"), ("fsdp_bf16", 2, 3, "torch_fsdp2_bf16"),
-          ("fsdp_offload", 3, 2, "fsdp")]
-RESUMES = sorted({(c, o, n, n, c) for c in SOURCES for n in world_sizes(c) if n in SAME_N for o in OPTIMS}
-                 | {(c, o, n, m, c) for c in SOURCES for n, m in pairs(c) for o in OPTIMS}
-                 | {(c, o, n, m, d) for c, n, m, d in OTHERS for o in OPTIMS},
-                 key=lambda j: (j[3], j[0], j[1], j[2], j[4]))
+# The layouts checkpoint/state.py tells apart (what strategy_of() returns, checked by the tests), each with the
+# strategies whose state reaches a checkpoint through it; the first of each goes through 2 -> 3 and 3 -> 2.
+LAYOUTS = {"replicated": ("ddp",), "oss": ("oss", "sdp"), "flat": ("oss_flat", "sdp_flat"),
+           "fsdp": ("fsdp", "fsdp_nraf", "fsdp_bf16", "fsdp_offload"), "dtensor": ("torch_fsdp2", "torch_fsdp2_bf16")}
+# (source, optimizer, N, M, target). Saved and resumed at the same N, bit for bit: every strategy, both optimizers,
+# at 3 ranks (uneven shards; DDP's rebuilt buckets matter), and FSDP at 1 (NO_SHARD, plain views of a flat buffer)
+SAME = [(c, o, n, n, c) for c in SOURCES for o in OPTIMS for n in ((1, 3) if c == "fsdp" else (3,))]
+# Another world size, same strategy: each layout up (2 -> 3) and down (3 -> 2), one optimizer each way, the other
+# way round for the next layout; FSDP also sharded -> NO_SHARD and back, and in bf16 (a tolerance of its own)
+MOVES = [(layout[0], o, n, m, layout[0]) for i, layout in enumerate(LAYOUTS.values())
+         for (n, m), o in zip(((2, 3), (3, 2)), OPTIMS[::-1] if i % 2 else OPTIMS)] \
+    + [("fsdp", "adamw", 4, 1, "fsdp"), ("fsdp", "sgd", 1, 4, "fsdp"), ("fsdp_bf16", "sgd", 3, 2, "fsdp_bf16")]
+# Another strategy, at another world size: each strategy's checkpoint resumed by another, every layout written
+# by one and read by another; the first four are the ones the chapter names
+OTHERS = [("fsdp", "adamw", 4, 1, "ddp"), ("fsdp", "adamw", 4, 3, "oss"), ("sdp", "sgd", 2, 3, "oss_flat"),
+          ("torch_fsdp2", "sgd", 2, 3, "fsdp"), ("ddp", "sgd", 3, 2, "fsdp_offload"),
+          ("oss", "adamw", 3, 2, "sdp_flat"), ("oss_flat", "sgd", 3, 2, "torch_fsdp2"),
+          ("sdp_flat", "adamw", 3, 2, "fsdp_nraf"), ("fsdp_nraf", "sgd", 3, 2, "sdp"),
+          ("fsdp_bf16", "adamw", 3, 2, "torch_fsdp2_bf16"), ("fsdp_offload", "adamw", 3, 2, "fsdp")]
+RESUMES = sorted(set(SAME + MOVES + OTHERS), key=lambda j: (j[3], j[0], j[1], j[2], j[4]))
+RUNS = sorted({(j[0], j[1], j[2]) for j in RESUMES})  # (config, optimizer, N): the uninterrupted runs they start from
 
 
 def _id(job):
@@ -142,7 +164,7 @@ def uninterrupted(root, jobs):
     n, r = dist.get_world_size(), dist.get_rank()
     out = {}
     for config, optim in jobs:
-        model, opt = build(config, optim)
+        model, opt = build(config, optim, MODEL)
         torch.manual_seed(1000 * n + r)  # each rank a generator of its own (building a TinyGPT reseeds it)
         train_steps(model, opt, 0, START)
         checkpoint.save(run_dir(root, config, optim, n), model, opt, step=START, extra=extra_of(config, optim, START))
@@ -159,13 +181,14 @@ def resume(root, jobs):
     out = {}
     for job in jobs:
         src, optim, n, _, dst = job
-        model, opt = build(dst, optim)
+        model, opt = build(dst, optim, MODEL)
         torch.manual_seed(12345)  # not what was saved: the load must put each rank's generator back
         info = checkpoint.load(run_dir(root, src, optim, n) / f"step_{START:08d}", model, opt)
         draw = torch.rand(3)
         train_steps(model, opt, START, STOP)
         checkpoint.save(resumed_dir(root, job), model, opt, step=STOP, extra=extra_of(src, optim, STOP))
-        out[job] = {"draw": draw, "info": {k: info[k] for k in ("step", "extra", "strategy", "world_size")}}
+        out[job] = {"draw": draw, "info": {k: info[k] for k in ("step", "extra", "strategy", "world_size")},
+                    "layout": checkpoint.strategy_of(model, opt)}
     return out
 
 
@@ -176,8 +199,7 @@ def root(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def runs(root):
-    return {n: launch(uninterrupted, world_size=n, device="cpu",
-                      args=(root, [(c, o) for c in SOURCES if n in world_sizes(c) for o in OPTIMS]))
+    return {n: launch(uninterrupted, world_size=n, device="cpu", args=(root, [(c, o) for c, o, k in RUNS if k == n]))
             for n in (1, 2, 3, 4)}
 
 
@@ -216,7 +238,7 @@ def compare(a: dict, b: dict) -> dict:
         {k: (v.shape, v.dtype) for k, v in b["model"].items()}
     sa, sb = a["optim"]["state"], b["optim"]["state"]
     assert {n: sorted(s) for n, s in sa.items()} == {n: sorted(s) for n, s in sb.items()}
-    assert set(sa) == {n for n, p in build_model("gpt", 0).named_parameters()}  # every parameter has state
+    assert set(sa) == {n for n, p in build_model("gpt", 0, MODEL).named_parameters()}  # every parameter has state
     for name in sa:
         assert {k: (v.shape, v.dtype) for k, v in sa[name].items()} == \
             {k: (v.shape, v.dtype) for k, v in sb[name].items()}, name
@@ -261,31 +283,30 @@ def test_load_puts_back_each_ranks_generator(runs, resumed, job):
 
 @pytest.mark.parametrize("job", RESUMES, ids=_id)
 def test_load_returns_step_extra_strategy_and_world_size(resumed, job):
-    src, optim, n, m, _ = job
-    expected_kind = {"ddp": "replicated", "oss": "oss", "sdp": "oss", "oss_flat": "flat", "sdp_flat": "flat",
-                     "torch_fsdp2": "dtensor"}.get(CONFIGS[src][0], "fsdp")
+    src, optim, n, m, dst = job
+    layout = {config: kind for kind, configs in LAYOUTS.items() for config in configs}  # what the jobs rest on
     for r in range(m):
         info = resumed[(*job, r)]["info"]
-        assert info == {"step": START, "extra": extra_of(src, optim, START), "strategy": expected_kind,
+        assert info == {"step": START, "extra": extra_of(src, optim, START), "strategy": layout[src],
                         "world_size": n}
+        assert resumed[(*job, r)]["layout"] == layout[dst]
 
 
 # -- 3: the checkpoint holds the full model, and converts to a file any plain model loads ---------------------------
-@pytest.mark.parametrize("config, n", [pytest.param(c, n, marks=BOXES if c in FLAT else ())
-                                       for c in SOURCES for n in world_sizes(c)])
-def test_checkpoint_holds_the_full_parameters(root, runs, config, n):
-    for optim in OPTIMS:
-        saved = uninterrupted_at(root, config, optim, n)["model"]
-        assert identical(saved, runs[n][0][config, optim]["full"])
+@pytest.mark.parametrize("config, optim, n", [pytest.param(*run, id="-".join(map(str, run)),
+                                                           marks=BOXES if run[0] in FLAT else ()) for run in RUNS])
+def test_checkpoint_holds_the_full_parameters(root, runs, config, optim, n):
+    saved = uninterrupted_at(root, config, optim, n)["model"]
+    assert identical(saved, runs[n][0][config, optim]["full"])
 
 
 @BOXES
 @pytest.mark.parametrize("optim", OPTIMS)
 def test_fsdp_checkpoint_loads_into_an_unwrapped_model(root, runs, tmp_path, optim):
-    dcp_to_torch_save(run_dir(root, "fsdp", optim, 2) / f"step_{STOP:08d}", tmp_path / "model.pt")
+    dcp_to_torch_save(run_dir(root, "fsdp", optim, 3) / f"step_{STOP:08d}", tmp_path / "model.pt")
     state = torch.load(tmp_path / "model.pt", weights_only=True)["model"]
-    model = build_model("gpt", seed=1)
-    full = runs[2][0]["fsdp", optim]["full"]
+    model = build_model("gpt", seed=1, gpt_config=MODEL)
+    full = runs[3][0]["fsdp", optim]["full"]
     assert not torch.equal(model.wpe.weight, full["wpe.weight"])
     model.load_state_dict(state, strict=True)
     assert identical({k: v for k, v in model.state_dict().items()}, full)
@@ -295,7 +316,7 @@ def test_fsdp_checkpoint_loads_into_an_unwrapped_model(root, runs, tmp_path, opt
 # -- 4: a rank killed in the middle of a save leaves the previous checkpoint -----------------------------------------
 def save_then_die(path, copy_to):
     r = dist.get_rank()
-    model, opt = build("fsdp", "adamw")
+    model, opt = build("fsdp", "adamw", MODEL)
     train_steps(model, opt, 0, 1)
     checkpoint.save(path, model, opt, extra={"which": "first"})
     if r == 0:
@@ -311,11 +332,11 @@ def save_then_die(path, copy_to):
 
 
 def load_after_crash(path, window, resaved):
-    model, opt = build("fsdp", "adamw")
+    model, opt = build("fsdp", "adamw", MODEL)
     info = checkpoint.load(path, model, opt)
     checkpoint.save(resaved, model, opt)  # what was loaded, optimizer state included, written back out
     full = get_full_state_dict(model)
-    model, opt = build("fsdp", "adamw")
+    model, opt = build("fsdp", "adamw", MODEL)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         window_info = checkpoint.load(window, model, opt)
@@ -498,8 +519,8 @@ class RunsCode:
 @pytest.mark.parametrize("where", ["whole", "inside"])
 def test_metadata_that_runs_code_is_refused(root, runs, tmp_path, where):
     evil = tmp_path / "evil"
-    shutil.copytree(run_dir(root, "ddp", "sgd", 1) / f"step_{STOP:08d}", evil)
-    checkpoint.load(evil, build_model("gpt", seed=0))  # loads as it is
+    shutil.copytree(run_dir(root, "ddp", "sgd", 3) / f"step_{STOP:08d}", evil)
+    checkpoint.load(evil, build_model("gpt", seed=0, gpt_config=MODEL))  # loads as it is
     marker = tmp_path / "pwned"
     payload = RunsCode(f"touch {marker}")
     if where == "inside":  # hidden in a real DCP Metadata, which the loader otherwise accepts
@@ -509,7 +530,7 @@ def test_metadata_that_runs_code_is_refused(root, runs, tmp_path, where):
         payload = metadata
     (evil / ".metadata").write_bytes(pickle.dumps(payload))
     with pytest.raises(pickle.UnpicklingError, match="system"):
-        checkpoint.load(evil, build_model("gpt", seed=0))
+        checkpoint.load(evil, build_model("gpt", seed=0, gpt_config=MODEL))
     assert not marker.exists()
 
 
@@ -557,7 +578,7 @@ def load_each_and_save_again(root, config, optim, sources):
     """Load each source world size's START checkpoint at this world size and save it again at once."""
     m = dist.get_world_size()
     for n in sources:
-        model, opt = build(config, optim)
+        model, opt = build(config, optim, MODEL)
         checkpoint.load(run_dir(root, config, optim, n) / f"step_{START:08d}", model, opt)
         checkpoint.save(Path(root) / f"again-{config}-{optim}-n{n}-m{m}", model, opt)
 
@@ -573,6 +594,6 @@ def saved_again(root, runs):
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
 @pytest.mark.parametrize("m", [1, 2, 3, 4])
 def test_every_world_size_loads_every_other_exactly(saved_again, n, m):
-    before = plain(run_dir(saved_again, "fsdp", "adamw", n) / f"step_{START:08d}")
+    before = uninterrupted_at(saved_again, "fsdp", "adamw", n, START)
     after = plain(Path(saved_again) / f"again-fsdp-adamw-n{n}-m{m}")
     assert identical(before["model"], after["model"]) and identical(before["optim"], after["optim"])

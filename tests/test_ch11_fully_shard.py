@@ -1,8 +1,26 @@
 """Chapter 11: minifsdp.fsdp2.fully_shard, a drop-in for torch's fully_shard, proven against it and against DDP.
 
 Every case trains the same model, wrapped the same way (each block, then the root), on the same data in the same
-ranks, once under minifsdp's fully_shard and once under torch's, and compares the losses and the full_tensor()
-of every state_dict entry after 4 steps (zero_grad(set_to_none=...) alternating).
+ranks, once under minifsdp's fully_shard and once under torch's, and compares the losses and each rank's shard
+of every state_dict entry (its placements, local shape and values) after 3 steps: the gradients of the first
+step are new, those of the second are new again after zero_grad(set_to_none=True), those of the third are added
+to zeros (set_to_none=False). Equal shards on every rank, cut alike, are equal full tensors; a full_tensor()
+per entry is an all-gather each, which at N = 4 on two cores cost more than a training step.
+
+What runs once where it proved the same thing more than once:
+- minifsdp's variants. RAF, NRAF, explicit prefetch and model.unshard() decide when the all-gathers run; the
+  optimizer steps the sharded DTensors after backward, where none of them is visible. So each model runs with
+  both optimizers and with RAF and NRAF, and each (optimizer, RAF) pair on some model, but not every model with
+  every pair; prefetch and unshard once per architecture. The frozen model (the uneven one with blocks[1].fc1
+  frozen) runs with AdamW and NRAF only: its all-gathers treat the frozen parameter as any other, and of the two
+  optimizers only AdamW (weight decay) would move a parameter handed a zero gradient instead of none.
+- torch's fully_shard, the oracle: once per (model, optimizer), in one of the variants (RAF for the GPT's, each
+  of the others on some model), and every minifsdp variant of that model and optimizer is held to it, bit for
+  bit. Its own variants compute the same bits: each of RAF, NRAF, prefetch and unshard() against its RAF run,
+  for every model and optimizer of the full cross product, at N = 1-4, differed by 0.0. Its meta-device build
+  runs once, without unshard() (the recipe is what it checks); minifsdp's with and without.
+- Chapter 11's two single-size cases (a parameter frozen after wrapping at N = 2, per-parameter optimizer
+  groups at N = 3) run in the launch of their world size.
 
 Tolerances, and why:
 - Against torch's fully_shard: 0.0 everywhere -- fp32 (SGD with momentum and AdamW; the tiny GPT with its tied
@@ -17,8 +35,9 @@ Tolerances, and why:
   with the root's own parameters placed before its children's instead, the uneven model differed by 1.5e-8
   at N = 4.)
 - Against torch's DDP (tiny GPT, a plain optimizer): bit-exact at N = 1 and 2 (one addition, commutative);
-  1e-6 at N = 3 and 4, measured 7.5e-9 (SGD) and 1.3e-7 (AdamW) after 4 steps, torch's fully_shard exactly
-  the same. Averaging by 4 is exact, but the order of the four additions is not the same: the reduce-scatter
+  1e-6 at N = 3 and 4, measured 7.5e-9 (SGD) and 1.3e-7 (AdamW) on the parameters and 4.8e-7 on a loss after
+  3 steps, torch's fully_shard exactly the same. (DDP's full tensors are cut as fully_shard cuts them, and
+  each rank compares its piece.) Averaging by 4 is exact, but the order of the four additions is not the same: the reduce-scatter
   sums slot q in ring order ending at rank q, DDP's all-reduce over its bucket in an order of its own, so a
   gradient element may differ by an ulp, which the steps carry on (AdamW amplifies: it divides by sqrt(v)).
   Gradient accumulation against DDP's no_sync: the same (measured 7.5e-9 with SGD at N = 3).
@@ -28,12 +47,11 @@ Tolerances, and why:
   And with each module's own reset_parameters() after to_empty (the uneven model, where some ranks hold an
   empty shard): the same bits as torch's fully_shard, before and after training.
 - Memory (a GPT with 4 blocks, N = 2, AdamW, the step after 2 warm-up steps, minifsdp.MemoryMeter with each
-  design's unsharded-parameter buffers watched): minifsdp's peak per rank <= torch's. Measured 2,213,960 vs
-  2,258,248 bytes on each rank; both peak early in backward, where minifsdp holds one block's full parameters
-  more (50,432 bytes: the block prefetched for backward) and torch 94,720 bytes more of everything else.
+  design's unsharded-parameter buffers watched): minifsdp's peak per rank <= torch's. Measured 2,207,816 vs
+  2,258,248 bytes on each rank; both peak early in backward.
 
 One launch per world size computes every case (the memory at N = 2 only); each rank returns the differences
-it measured (the full state is the same on every rank; the losses are each rank's own).
+it measured (of its own shards and its own losses), and every rank's are checked.
 """
 
 import contextlib
@@ -50,19 +68,29 @@ from minifsdp.models import GPTConfig, TinyGPT
 from minifsdp.train import OPTIMIZERS, batch, build_model, loss_of, max_abs_diff
 
 WORLD_SIZES = (1, 2, 3, 4)
-STEPS = 4
+STEPS = 3
 DDP_ATOL = {1: 0.0, 2: 0.0, 3: 1e-6, 4: 1e-6}
-# (model, optimizer, variant): every model with both optimizers, RAF and NRAF; the docs' explicit prefetch and
-# model.unshard() change when the collectives run, not what they compute: one optimizer each
-PARITY = ([(name, opt, raf) for name in ("gpt", "uneven", "frozen") for opt in ("sgd", "adamw")
-           for raf in ("raf", "nraf")]
-          + [("gpt", "adamw", "prefetch"), ("gpt", "sgd", "unshard"), ("uneven", "sgd", "prefetch"),
-             ("uneven", "adamw", "unshard"), ("frozen", "adamw", "prefetch"), ("frozen", "sgd", "unshard")])
+# (model, optimizer, variant): every model with both optimizers and with RAF and NRAF, every (optimizer, RAF)
+# pair on some model; the docs' explicit prefetch and model.unshard() change when the all-gathers run, not
+# what they compute: one optimizer each, on the two architectures (see the module docstring)
+PARITY = [("gpt", "sgd", "raf"), ("gpt", "adamw", "raf"), ("gpt", "adamw", "nraf"),
+          ("gpt", "adamw", "prefetch"), ("gpt", "sgd", "unshard"),
+          ("uneven", "sgd", "nraf"), ("uneven", "adamw", "raf"), ("uneven", "sgd", "prefetch"),
+          ("uneven", "adamw", "unshard"),
+          ("frozen", "adamw", "nraf")]
+# torch's fully_shard runs once per (model, optimizer), in one of the variants (which one computes the same bits):
+# each variant on some model, RAF for the GPT's (the cases compared with DDP); minifsdp's every variant against it
+ORACLE = {("gpt", "sgd"): "raf", ("gpt", "adamw"): "raf", ("uneven", "sgd"): "prefetch",
+          ("uneven", "adamw"): "unshard", ("frozen", "adamw"): "nraf"}
+# (implementation, model.unshard() before each forward) of the meta-device build; torch's once: its plain run
+# shows the recipe gives the eager bits, an unshard() changes when the all-gathers run, not what they compute
+META = [("ours", False), ("ours", True), ("torch", False)]
 POLICIES = {"bf16_fp32": {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32},
             "bf16": {"param_dtype": torch.bfloat16}}
 MICRO = 3         # micro-batches per step, gradients synchronised in the last one's backward only
 MAX_NORM = 0.5    # below the tiny GPT's gradient norms (0.60-0.71): every step clips
 MEMORY_N, MEMORY_CONFIG = 2, GPTConfig(n_layer=4)
+FROZEN_N, DECAY_N = 2, 3  # the world sizes of the two cases run at one only
 
 
 # -- models and data -----------------------------------------------------------------------------------------------
@@ -160,6 +188,16 @@ def full_state(model):
             for k, v in model.state_dict().items()}
 
 
+def shard_state(model):
+    """This rank's shard of every state_dict entry, with its placements. Two runs whose shards are equal on
+    every rank, cut the same way, have equal full tensors; unlike full_state it needs no all-gather per
+    entry (at N = 4 on two cores those cost more than a training step)."""
+    from torch.distributed.tensor import DTensor
+
+    return {k: ((v.to_local().detach().clone(), v.placements) if isinstance(v, DTensor)
+                else (v.detach().clone(), None)) for k, v in model.state_dict().items()}
+
+
 def train(model, name, opt, before_forward=None, after_backward=None):
     losses = []
     for step in range(STEPS):
@@ -181,7 +219,7 @@ def parity_run(impl, name, opt_name, variant):
         docs_prefetch(model, k=1 if name == "gpt" else 2)
     opt = OPTIMIZERS[opt_name](model.parameters())
     unshard = model.unshard if variant in ("prefetch", "unshard") else None
-    return train(model, name, opt, before_forward=unshard), full_state(model)
+    return train(model, name, opt, before_forward=unshard), shard_state(model)
 
 
 def ddp_run(opt_name):
@@ -195,7 +233,7 @@ def ddp_run(opt_name):
 
 def mp_run(impl, policy):
     model = shard(build_model("gpt", seed=0), impl, mp_policy=api(impl).MixedPrecisionPolicy(**POLICIES[policy]))
-    return train(model, "gpt", OPTIMIZERS["sgd"](model.parameters())), full_state(model)
+    return train(model, "gpt", OPTIMIZERS["sgd"](model.parameters())), shard_state(model)
 
 
 def meta_run(impl, opt_name, unshard):
@@ -214,7 +252,7 @@ def meta_run(impl, opt_name, unshard):
             p.copy_(distribute_tensor(full[k], p.device_mesh, p.placements))
     tied = model.lm_head.weight is model.wte.weight
     opt = OPTIMIZERS[opt_name](model.parameters())
-    return train(model, "gpt", opt, before_forward=model.unshard if unshard else None), full_state(model), tied
+    return train(model, "gpt", opt, before_forward=model.unshard if unshard else None), shard_state(model), tied
 
 
 def meta_reset_run(impl):
@@ -231,9 +269,9 @@ def meta_reset_run(impl):
             m.reset_parameters()
     with torch.no_grad():
         model.gain.fill_(1.0)
-    initial = full_state(model)
+    initial = shard_state(model)
     losses = train(model, "uneven", OPTIMIZERS["adamw"](model.parameters()))
-    return losses, {**{"initial." + k: v for k, v in initial.items()}, **full_state(model)}
+    return losses, {**{"initial." + k: v for k, v in initial.items()}, **shard_state(model)}
 
 
 def accumulation_run(kind, steps=2):
@@ -255,8 +293,9 @@ def accumulation_run(kind, steps=2):
             losses.append(loss.detach())
         opt.step()
         opt.zero_grad(set_to_none=step % 2 == 0)
-    params = {k: v.detach().clone() for k, v in net.state_dict().items()} if kind == "ddp" else full_state(model)
-    return torch.stack(losses), params
+    if kind == "ddp":
+        return torch.stack(losses), {k: v.detach().clone() for k, v in net.state_dict().items()}
+    return torch.stack(losses), shard_state(model)
 
 
 def clip_run(impl):
@@ -268,12 +307,47 @@ def clip_run(impl):
         norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
     losses = train(model, "gpt", OPTIMIZERS["sgd"](model.parameters()), after_backward=clip)
-    return losses, full_state(model), torch.stack(norms)
+    return losses, shard_state(model), torch.stack(norms)
+
+
+def shard_diff(a, b):
+    """max_abs_diff of two shard_states: infinite where an entry is cut otherwise (placements, local shape,
+    dtype), 0.0 for an empty shard of the same shape."""
+    if a.keys() != b.keys():
+        raise ValueError(f"different parameters: {sorted(set(a) ^ set(b))}")
+    worst = 0.0
+    for k in a:
+        (x, px), (y, py) = a[k], b[k]
+        if px != py or x.shape != y.shape or x.dtype != y.dtype:
+            return float("inf")
+        if x.numel():
+            worst = max(worst, (x.double() - y.double()).abs().max().item())
+    return worst
+
+
+def cut_like(full, shards):
+    """A full state dict (DDP's) cut as fully_shard cuts each entry (Shard(0): torch.chunk's pieces, none for
+    the last ranks where there are fewer pieces than ranks), this rank's piece, as a shard_state."""
+    from torch.distributed.tensor import Shard
+
+    r, n = dist.get_rank(), dist.get_world_size()
+    out = {}
+    for k, v in full.items():
+        placements = shards[k][1]
+        if placements is None:
+            out[k] = (v, None)
+            continue
+        assert placements == (Shard(0),), placements
+        pieces = torch.chunk(v, n, dim=0)
+        out[k] = (pieces[r] if r < len(pieces) else v[:0], placements)
+    return out
 
 
 def diff(a, b):
-    """Largest |difference| of the losses and of the final full parameters of two runs."""
-    return {"losses": (a[0].double() - b[0].double()).abs().max().item(), "params": max_abs_diff(a[1], b[1])}
+    """Largest |difference| of the losses and of the final parameters of two runs, (losses, shard_state) each:
+    this rank's shards. b's state may be full (DDP's): cut first as a's is."""
+    b_state = b[1] if all(isinstance(v, tuple) for v in b[1].values()) else cut_like(b[1], a[1])
+    return {"losses": (a[0].double() - b[0].double()).abs().max().item(), "params": shard_diff(a[1], b_state)}
 
 
 # -- surface --------------------------------------------------------------------------------------------------------
@@ -392,7 +466,9 @@ def rank_cases():
             runs[(impl, *case)] = parity_run(impl, *case)
         return runs[(impl, *case)]
 
-    out = {("torch", *case): diff(run("ours", *case), run("torch", *case)) for case in PARITY}
+    out = {("torch", name, opt, variant): diff(run("ours", name, opt, variant),
+                                               run("torch", name, opt, ORACLE[(name, opt)]))
+           for name, opt, variant in PARITY}
     for opt in ("sgd", "adamw"):
         ddp = ddp_run(opt)
         out[("ddp", opt)] = diff(run("ours", "gpt", opt, "raf"), ddp)
@@ -401,11 +477,10 @@ def rank_cases():
         ours = mp_run("ours", policy)
         out[("mp", policy)] = diff(ours, mp_run("torch", policy))
         out[("mp_vs_fp32", policy)] = diff(ours, run("ours", "gpt", "sgd", "raf"))["losses"]
-    for impl in ("ours", "torch"):
-        for unshard in (False, True):
-            losses, params, tied = meta_run(impl, "adamw", unshard)
-            out[("meta", impl, unshard)] = diff((losses, params), run("ours", "gpt", "adamw", "raf"))
-            out[("meta_tied", impl, unshard)] = tied
+    for impl, unshard in META:
+        losses, params, tied = meta_run(impl, "adamw", unshard)
+        out[("meta", impl, unshard)] = diff((losses, params), run("ours", "gpt", "adamw", "raf"))
+        out[("meta_tied", impl, unshard)] = tied
     with warnings.catch_warnings():  # DTensor's random ops on a CPU mesh: each rank draws for its own shard
         warnings.simplefilter("ignore", UserWarning)
         out["meta_reset"] = diff(meta_reset_run("ours"), meta_reset_run("torch"))
@@ -418,6 +493,10 @@ def rank_cases():
     out["mechanism"] = mechanism_run()
     if n == MEMORY_N:
         out["memory"] = {impl: peak_run(impl) for impl in ("ours", "torch")}
+    if n == FROZEN_N:
+        out["frozen_after_wrapping"] = freeze_after_wrapping()
+    if n == DECAY_N:
+        out["decay_groups"] = decay_groups()
     return out
 
 
@@ -459,8 +538,8 @@ def test_mixed_precision_as_torch(ranks, n, policy):
 
 @pytest.mark.exercise("11.1", "11.2")
 @pytest.mark.parametrize("n", WORLD_SIZES)
-@pytest.mark.parametrize("impl", ["ours", "torch"])
-@pytest.mark.parametrize("unshard", [False, True], ids=["plain", "unshard_first"])
+@pytest.mark.parametrize("impl, unshard", META,
+                         ids=[f"{impl}-{'unshard_first' if unshard else 'plain'}" for impl, unshard in META])
 def test_meta_device_init_equals_eager(ranks, n, impl, unshard):
     for d, tied in zip(each_rank(ranks, n, ("meta", impl, unshard)), each_rank(ranks, n, ("meta_tied", impl, unshard))):
         assert tied  # to_empty kept the embedding and the head one parameter
@@ -573,8 +652,8 @@ def freeze_after_wrapping():
 
 
 @pytest.mark.exercise("11.1", "11.2")
-def test_a_parameter_frozen_after_wrapping_stays_frozen():
-    for res in launch(freeze_after_wrapping, world_size=2):
+def test_a_parameter_frozen_after_wrapping_stays_frozen(ranks):
+    for res in each_rank(ranks, FROZEN_N, "frozen_after_wrapping"):
         assert res["minifsdp"] == res["torch"] == (True, 0.0)
 
 
@@ -600,8 +679,8 @@ def decay_groups():
 
 
 @pytest.mark.exercise("11.1", "11.2")
-def test_per_parameter_optimizer_groups_train_as_under_torch():
-    for res in launch(decay_groups, world_size=3):
+def test_per_parameter_optimizer_groups_train_as_under_torch(ranks):
+    for res in each_rank(ranks, DECAY_N, "decay_groups"):
         (ours, ours_sd), (theirs, theirs_sd) = res["minifsdp"], res["torch"]
         assert ours == theirs
         assert max_abs_diff(ours_sd, theirs_sd) == 0.0

@@ -37,6 +37,14 @@ the first unshard (FSDPParam.refresh_sharded).
 
 Three launches: torch at 2 ranks trains and saves; at 3 ranks, parts 1 and 3 and the resumes from 2 (minifsdp
 saves); at 2 ranks, the resumes from 3. The comparisons are made here, in the test process.
+
+Nothing is computed twice to be compared with itself: the script takes each kind of state dict once and uses
+it for the checks, the DCP save (the sharded ones, which get_state_dict would make again) and the
+Checkpointer's resume (the full, offloaded ones); torch's fully_shard resumes through DCP only (through chapter
+10's route it would load the same state into the same model: torch's to torch's, not between the two), and
+minifsdp's at 2 ranks through DCP only (chapter 10's route there would be minifsdp's to minifsdp's). A resume
+compares its state with another resume at the same world size by each rank's shards (the full state only
+where a load at another world size compares with it).
 """
 
 import pytest
@@ -56,8 +64,8 @@ from minifsdp.train import batch, loss_of
 
 CONFIG = GPTConfig(n_layer=3)  # three blocks: block 0 prefetches 1 and 2 in forward, block 2 prefetches 1 and 0
 PREFETCH = 2                   # in backward (torch's example: num_to_forward_prefetch = num_to_backward_prefetch = 2)
-STEPS = 3                      # steps of the script (part 1)
-SAVED_AT, RESUMED = 2, 3       # part 2: steps before the first save, steps after each resume
+STEPS = 2                      # steps of the script (part 1)
+SAVED_AT, RESUMED = 2, 2       # part 2: steps before the first save, steps after each resume
 GLOBAL_BATCH = 12              # divides by 2 and 3
 MAX_NORM = 0.5
 BF16 = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}
@@ -149,17 +157,17 @@ def script(impl, mp, save_dir):
     opt = adamw(model)
     losses = [step(model, opt, i) for i in range(STEPS)]
     out = {"checks": checks, "losses": torch.stack(losses)}
-    for name, options in {"full": StateDictOptions(full_state_dict=True),
-                          "full_cpu": StateDictOptions(full_state_dict=True, cpu_offload=True),
-                          "sharded": StateDictOptions()}.items():
-        out[name] = portable({"model": get_model_state_dict(model, options=options),
-                              "optim": get_optimizer_state_dict(model, opt, options=options)})
-    dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)},
-             checkpoint_id=save_dir)
+    dicts = {name: {"model": get_model_state_dict(model, options=options),
+                    "optim": get_optimizer_state_dict(model, opt, options=options)}
+             for name, options in {"full": StateDictOptions(full_state_dict=True),
+                                   "full_cpu": StateDictOptions(full_state_dict=True, cpu_offload=True),
+                                   "sharded": StateDictOptions()}.items()}
+    out.update({name: portable(d) for name, d in dicts.items()})
+    dcp.save(dicts["sharded"], checkpoint_id=save_dir)  # get_state_dict's defaults: the sharded dicts
     # torch's example's Checkpointer: resume a fresh model from rank 0's full (cpu_offload) dicts, by broadcast
+    # (the ones just taken: the same calls, the same state)
     from_rank0 = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-    msd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    osd = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    msd, osd = dicts["full_cpu"]["model"], dicts["full_cpu"]["optim"]
     fresh = build(impl, mp)
     set_model_state_dict(fresh, msd, options=from_rank0)
     fresh_opt = adamw(fresh)
@@ -212,6 +220,11 @@ def full_state(model, opt):
                      "optim": get_optimizer_state_dict(model, opt, options=options)})
 
 
+def sharded_state(model, opt):
+    """This rank's shards of the same dicts: what two runs at one world size, cut alike, compare by."""
+    return portable({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)})
+
+
 def dcp_save(model, opt, path):
     """torchtitan's way: the sharded state dicts of get_state_dict, written by DCP (each rank its shards)."""
     model_sd, optim_sd = get_state_dict(model, opt)
@@ -243,7 +256,8 @@ def train_and_save(impl, dcp_path, minifsdp_path):
 def resume(impl, route, path, save_to=None):
     """A fresh meta-built model and a fresh optimizer (torch's defaults: lr 1e-3, weight decay 1e-2, to be
     replaced by the checkpoint's), loaded from `path` by `route`, trained RESUMED steps; save_to: then saved
-    (DCP, chapter 10's)."""
+    (DCP, chapter 10's), and its full state returned as "saved" (to compare with a load at another world
+    size; "state", this rank's shards, compares with another resume at this world size)."""
     model = build(impl)
     opt = torch.optim.AdamW(model.parameters())
     if route == "dcp":
@@ -252,10 +266,12 @@ def resume(impl, route, path, save_to=None):
         checkpoint.load(path, model, opt)
     loaded = full_state(model, opt)
     losses = [step(model, opt, SAVED_AT + i) for i in range(RESUMED)]
+    out = {"loaded": loaded, "losses": torch.stack(losses), "state": sharded_state(model, opt)}
     if save_to is not None:
         dcp_save(model, opt, save_to[0])
         checkpoint.save(save_to[1], model, opt)
-    return {"loaded": loaded, "losses": torch.stack(losses), "state": full_state(model, opt)}
+        out["saved"] = full_state(model, opt)
+    return out
 
 
 # -- the three launches ---------------------------------------------------------------------------------------------
@@ -267,8 +283,9 @@ def at_3(d):
     out = {("script", impl, mp): script(impl, mp, f"{d}/script_{impl}_{mp}")
            for mp in (False, True) for impl in ("torch", "minifsdp")}
     out["distribute"] = {impl: distribute_cases(impl) for impl in ("torch", "minifsdp")}
-    for route, path in (("dcp", f"{d}/torch2"), ("minifsdp", f"{d}/torch2_minifsdp")):
-        out[("resume", "torch", route)] = resume("torch", route, path)
+    # torch's resume once, through DCP: through chapter 10's route it would load the same state and take the
+    # same steps (torch's to torch's is not between the two)
+    out[("resume", "torch", "dcp")] = resume("torch", "dcp", f"{d}/torch2")
     out[("resume", "minifsdp", "minifsdp")] = resume("minifsdp", "minifsdp", f"{d}/torch2_minifsdp")
     out[("resume", "minifsdp", "dcp")] = resume("minifsdp", "dcp", f"{d}/torch2",
                                                 save_to=(f"{d}/minifsdp3", f"{d}/minifsdp3_minifsdp"))
@@ -276,8 +293,9 @@ def at_3(d):
 
 
 def at_2_resume(d):
+    # minifsdp's through chapter 10's route would be minifsdp's to minifsdp's: not between the two
     return {(impl, route): resume(impl, route, f"{d}/minifsdp3" if route == "dcp" else f"{d}/minifsdp3_minifsdp")
-            for impl in ("torch", "minifsdp") for route in ("dcp", "minifsdp")}
+            for impl, route in (("torch", "dcp"), ("minifsdp", "dcp"), ("torch", "minifsdp"))}
 
 
 @pytest.fixture(scope="module")
@@ -358,7 +376,7 @@ def test_torch_at_2_to_minifsdp_at_3_through_dcp(runs):
 
 @pytest.mark.exercise("11.1", "11.2")
 def test_minifsdp_at_3_to_torch_at_2_through_dcp(runs):
-    saved = runs["at3"][0][("resume", "minifsdp", "dcp")]["state"]
+    saved = runs["at3"][0][("resume", "minifsdp", "dcp")]["saved"]
     for r in range(2):
         ours, theirs = runs["at2"][r][("minifsdp", "dcp")], runs["at2"][r][("torch", "dcp")]
         assert differences(theirs["loaded"], saved) == []  # what minifsdp's fully_shard saved, exactly
@@ -369,15 +387,13 @@ def test_minifsdp_at_3_to_torch_at_2_through_dcp(runs):
 
 @pytest.mark.exercise("11.1", "11.2")
 def test_minifsdp_checkpoint_between_the_two(runs):
-    """Chapter 10's save and load on both: torch's at 2 -> minifsdp's (and torch's) at 3; minifsdp's at 3 ->
-    torch's (and minifsdp's) at 2. The same as the DCP route, to the bit."""
+    """Chapter 10's save and load between the two: torch's at 2 -> minifsdp's at 3; minifsdp's at 3 -> torch's
+    at 2. The same as torch's resume through DCP, to the bit."""
     for r in range(3):
         res = runs["at3"][r]
-        for impl in ("torch", "minifsdp"):
-            assert differences(res[("resume", impl, "minifsdp")], res[("resume", "torch", "dcp")]) == [], impl
+        assert differences(res[("resume", "minifsdp", "minifsdp")], res[("resume", "torch", "dcp")]) == []
     for r in range(2):
-        for impl in ("torch", "minifsdp"):
-            assert differences(runs["at2"][r][(impl, "minifsdp")], runs["at2"][r][("torch", "dcp")]) == [], impl
+        assert differences(runs["at2"][r][("torch", "minifsdp")], runs["at2"][r][("torch", "dcp")]) == []
 
 
 # -- 3 ----------------------------------------------------------------------------------------------------------------

@@ -16,10 +16,12 @@ import csv
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 import textwrap
+import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
@@ -203,6 +205,8 @@ def test_student_copy_of_the_real_project_imports_and_keeps_the_markers(tmp_path
     for path in (out / "minifsdp").rglob("*.py"):
         compile(path.read_text(), str(path), "exec")
     assert (out / "tests" / "test_course.py").read_text() == Path(__file__).read_text()
+    # The instructor's key and wrong solutions never reach a student.
+    assert (REPO / "instructor").is_dir() and not (out / "instructor").exists()
     # What git ignores stays behind (the project is a git work tree): caches, egg-info, the built site.
     assert not any(p.name in {".git", "__pycache__", ".pytest_cache", "site"} or p.name.endswith(".egg-info")
                    for p in out.rglob("*"))
@@ -808,11 +812,11 @@ def _removal_args(exercise, reference) -> list[str] | None:
     return ["-x", *PLUGINS, *sorted(names, key=later)]
 
 
-def _remove_and_run(exercise, tmp: Path, reference, plugins):
+def _remove_and_run(exercise, tmp: Path, reference, plugins, warm):
     copy = tmp / f"student-{exercise.id}"
     write_student_copy(REPO, copy, only=exercise.id, quiet=True)
     args = _removal_args(exercise, reference)
-    return args, (run_pytest(copy, args, plugins, REMOVAL_TIMEOUT) if args else None)
+    return args, (run_pytest(copy, args, plugins, REMOVAL_TIMEOUT, warm=warm) if args else None)
 
 
 def _graded_alone(tmp: Path, plugins) -> dict:
@@ -824,17 +828,41 @@ def _graded_alone(tmp: Path, plugins) -> dict:
     return grade_submission(copy, reference, plugins, REMOVAL_TIMEOUT)
 
 
+def _instructor_bypasses():
+    """instructor/bypasses/check.py, which a student copy does not have (None there)."""
+    path = REPO / "instructor" / "bypasses" / "check.py"
+    if not path.is_file():
+        return None
+    spec = importlib.util.spec_from_file_location("minifsdp_bypass_check", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+BYPASS = _instructor_bypasses()
+BYPASSES, CAUGHT_BY, NUMERICAL_FAILURES = BYPASS.load() if BYPASS else ({}, {}, {})
+
+
 @pytest.fixture(scope="module")
 def removals(tmp_path_factory, plugins):
-    """The real tests' exercise marks, every removal check, and the chapter graded alone, two at a time:
-    each is mostly a fresh interpreter importing torch, and this machine has two cores. The chapter graded
-    alone, the longest, starts first, while the marks are collected."""
+    """The real tests' exercise marks, every removal check, every bypass, and the chapter graded alone,
+    two at a time. Each removal or bypass is a pytest run of a few seconds, most of which would be a fresh
+    interpreter importing torch: they run as children of two warm interpreters that imported it once
+    (course/warm.py). The chapter graded alone, the longest, starts first, while the marks are collected."""
+    from minifsdp.course.warm import WarmPool
+
     tmp = tmp_path_factory.mktemp("removals")
-    with bare_pytest(), ThreadPoolExecutor(max_workers=2) as pool:
+    exercises = {ex.id: ex for ex in EXERCISES}
+    with bare_pytest(), ThreadPoolExecutor(max_workers=2) as pool, WarmPool(2) as warm:
         alone = pool.submit(_graded_alone, tmp, plugins)
         reference = collect_reference(REPO, None, plugins, REMOVAL_TIMEOUT)
-        futures = {ex.id: pool.submit(_remove_and_run, ex, tmp, reference, plugins) for ex in EXERCISES}
+        futures = {ex.id: pool.submit(_remove_and_run, ex, tmp, reference, plugins, warm) for ex in EXERCISES}
+        bypassed = {i: pool.submit(BYPASS.check_one, exercises[i], code, CAUGHT_BY[i],
+                                   NUMERICAL_FAILURES.get(i, []), plugins, tmp, True, None, warm)
+                    for i, code in BYPASSES.items() if i in exercises}
         results = {k: f.result() for k, f in futures.items()}
+        results["bypass"] = {k: f.result() for k, f in bypassed.items()}
         results["alone"], results["reference"] = alone.result(), reference
         return results
 
@@ -884,3 +912,134 @@ def test_removal_of_each_exercise_fails_its_tests(exercise, removals, plugins):
         solved = reported or run_pytest(REPO, args, plugins, REMOVAL_TIMEOUT).returncode == 0
     assert solved, (
         f"{which} fail even with {where} solved; fix them first:\n{run.output[-3000:]}")
+
+
+# -- the bypasses: each exercise solved the wrong way (instructor/bypasses/) must lose its mechanism tests ----
+
+# Exercises that are pure functions of their arguments: any code that returns the right values has learnt
+# what the exercise teaches, so there is no wrong way that the numbers would not show.
+NO_BYPASS = {"2.1": "which states a ZeRO stage divides by N: the totals are the whole answer",
+             "13.1": "a collective's steps per algorithm: a count, checked for every algorithm and N",
+             "13.2": "the simulator's clock: every span of a hand-worked program is checked"}
+
+needs_the_instructor_files = pytest.mark.skipif(BYPASS is None, reason="a student copy has no instructor/ directory")
+
+
+@needs_the_instructor_files
+def test_every_exercise_has_a_bypass_or_a_reason_why_none_can_exist():
+    ids = [ex.id for ex in EXERCISES]
+    missing = [i for i in ids if i not in BYPASSES and i not in NO_BYPASS]
+    assert not missing, f"exercises with no wrong solution in instructor/bypasses/ to check their mechanism tests: {missing}"
+    assert set(BYPASSES) | set(NO_BYPASS) <= set(ids), "a bypass or NO_BYPASS entry for an exercise that is gone"
+    assert set(CAUGHT_BY) == set(BYPASSES), "every bypass names the mechanism tests that catch it (CAUGHT_BY)"
+
+
+@needs_the_instructor_files
+@pytest.mark.timeout(len(EXERCISES) * REMOVAL_TIMEOUT + 60)
+@pytest.mark.parametrize("exercise", sorted(BYPASSES, key=lambda i: tuple(map(int, i.split(".")))))
+def test_each_bypass_fails_the_mechanism_tests_that_name_it(exercise, removals):
+    """Solved the wrong way, an exercise still gets its values right (instructor/bypasses/check.py runs all
+    its tests to show that) and fails, on an assertion, the mechanism tests CAUGHT_BY names: tests that
+    are marked with the exercise and as mechanism tests, so that the grader counts them for it."""
+    tests = [t for ts in removals["reference"].tests.values() for t in ts]
+    for name in CAUGHT_BY[exercise]:
+        named = [t for t in tests if t.id == name or t.id.startswith(name + "[")]
+        assert named, f"CAUGHT_BY[{exercise!r}] names {name}, which the reference does not have"
+        assert all(t.mechanism and exercise in t.exercises for t in named), (
+            f"{name} is not marked both mechanism and exercise({exercise!r}): the grader would not count it")
+    outcome = removals["bypass"][exercise]
+    assert outcome.ok, (f"exercise {exercise} solved the wrong way: caught by {outcome.caught}, not caught by "
+                        f"{outcome.not_caught}, tests of values failed {outcome.values_failed}\n"
+                        f"{outcome.output[-3000:]}")
+
+
+def test_a_warm_run_imports_the_copys_package_and_stops_at_its_time_limit(tmp_path, plugins, bare):
+    """A child of the warm interpreter is the `python -m pytest` it stands for: the package comes from the
+    directory it runs in (not from the running one's), and a hung run is stopped, its processes too."""
+    from minifsdp.course.warm import WarmPython
+
+    project = _project(tmp_path / "p", {
+        "minifsdp/__init__.py": "WHERE = 'the copy'\n",
+        "tests/test_a.py": textwrap.dedent('''\
+            import os, subprocess, sys, time
+            import minifsdp
+
+            def test_the_copy():
+                assert minifsdp.WHERE == "the copy"
+
+            def test_hangs():
+                child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+                open("child.pid", "w").write(str(child.pid))
+                time.sleep(600)
+            ''')})
+    with WarmPython(preload=("pytest",)) as warm:
+        run = run_pytest(project, ["tests/test_a.py::test_the_copy"], plugins, 60, warm=warm)
+        assert run.returncode == 0 and run.report["results"]["tests/test_a.py::test_the_copy"]["outcome"] == "passed"
+        run = run_pytest(project, ["tests/test_a.py::test_hangs"], plugins, 3, warm=warm)
+        assert run.timed_out and run.report is None and "stopped after 3 s" in run.output
+        pid = int((project / "child.pid").read_text())
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and os.path.exists(f"/proc/{pid}") and \
+                not open(f"/proc/{pid}/stat").read().split()[2] == "Z":
+            time.sleep(0.1)
+        assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z", \
+            "the hung run's own child outlived the time limit"
+        run = run_pytest(project, ["tests/test_a.py::test_the_copy"], plugins, 60, warm=warm)  # still serving
+        assert run.returncode == 0
+
+
+# -- the guide's table and the "why" questions --------------------------------------------------------------
+
+def test_the_guides_exercise_table_is_current():
+    from minifsdp.reports.exercises import table
+
+    stored = (REPO / "chapters/generated/exercises.md").read_text(encoding="utf-8")
+    assert stored == table(REPO) + "\n", (
+        "chapters/generated/exercises.md is not what the exercises are now: run "
+        "python -m minifsdp.reports.exercises --markdown chapters/generated/exercises.md")
+
+
+def _why_questions() -> dict[str, str]:
+    """exercise id -> the question its chapter page asks (the admonition's body, as one line)."""
+    found = {}
+    for page in sorted((REPO / "chapters").glob("[0-9][0-9]_*.md")):
+        lines = page.read_text(encoding="utf-8").splitlines()
+        for i, line in enumerate(lines):
+            m = re.fullmatch(r'!!! question "Why\? \(exercise (\d+\.\d+)\)"', line)
+            if m:
+                body = []
+                for follow in lines[i + 1:]:
+                    if follow and not follow.startswith("    "):
+                        break
+                    body.append(follow.strip())
+                assert m[1] not in found, f"exercise {m[1]} has two why questions"
+                found[m[1]] = (page.name, " ".join(" ".join(body).split()))
+    return found
+
+
+def test_every_exercise_asks_why_on_its_own_chapters_page():
+    questions = _why_questions()
+    for ex in EXERCISES:
+        assert ex.id in questions, f"exercise {ex.id} has no '!!! question \"Why? (exercise {ex.id})\"' on its page"
+        page, text = questions[ex.id]
+        assert page.startswith(f"{ex.chapter:02d}_") and len(text) > 40, (ex.id, page, text)
+    assert set(questions) <= {ex.id for ex in EXERCISES}, "a why question for an exercise that is gone"
+
+
+@needs_the_instructor_files
+def test_the_key_answers_every_why_question_as_the_page_asks_it():
+    questions = _why_questions()
+    for chapter in sorted({ex.chapter for ex in EXERCISES}):
+        key = (REPO / "instructor" / "answers" / f"ch{chapter:02d}.md").read_text(encoding="utf-8")
+        sections = re.split(r"^## ", key, flags=re.M)[1:]
+        by_id = {re.match(r"Exercise (\d+\.\d+): ", s)[1]: s for s in sections}
+        for ex in (e for e in EXERCISES if e.chapter == chapter):
+            assert ex.id in by_id, f"instructor/answers/ch{chapter:02d}.md has no section for exercise {ex.id}"
+            section = by_id[ex.id]
+            assert section.splitlines()[0] == f"Exercise {ex.id}: {ex.title}", section.splitlines()[0]
+            asked = re.search(r"\*\*Question\.\*\* (.*?)\n\n\*\*Answer\.\*\*", section, re.S)
+            assert asked and " ".join(asked[1].split()) == questions[ex.id][1], (
+                f"exercise {ex.id}: the key's question is not the one its page asks")
+            answer = section.split("**Answer.**", 1)[1]
+            assert "**Grading.**" in answer and len(answer.split("**Grading.**")[0].split()) > 40, (
+                f"exercise {ex.id}: the key needs an answer and what a full answer must contain")

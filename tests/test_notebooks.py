@@ -4,6 +4,10 @@ The notebooks launch their ranks from inside the kernel (functions typed into ce
 fork start method), so running them under nbclient also checks that `minifsdp.launch` works from a
 notebook. A failing cell fails the test with that cell's source and traceback.
 
+Each kernel is forked from a server that has imported torch and matplotlib once
+(minifsdp/reports/kernels.py): a new process with none of another notebook's state, without the four
+seconds of imports that a kernel started from scratch spends before the first cell is done.
+
 The notebooks are stored with the outputs of a run on CPU ranks (`make notebooks`, that is
 minifsdp/reports/notebooks.py), which the site shows. Each records the hash of the code cells that made its
 outputs, so a code cell edited without running `make notebooks` again fails
@@ -26,10 +30,11 @@ CELL_TIMEOUT = 300  # seconds; on a 2-core CPU each notebook takes well under a 
 ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")  # IPython colours its tracebacks
 
 
-def _execute(path: Path) -> str | None:
+def _execute(path: Path, kernel_manager_class) -> str | None:
     """Run one notebook in a fresh kernel: None, or what the failing cell raised."""
     nb = nbformat.read(path, as_version=4)
     client = nbclient.NotebookClient(nb, timeout=CELL_TIMEOUT, kernel_name="python3",
+                                     kernel_manager_class=kernel_manager_class,
                                      resources={"metadata": {"path": str(NOTEBOOKS_DIR)}})
     try:
         client.execute()
@@ -44,9 +49,11 @@ def executed():
     one core's work, so two share this machine's two cores better than one does."""
     from concurrent.futures import ThreadPoolExecutor
 
-    os.environ["MPLBACKEND"] = "Agg"  # the kernels inherit it: plots render without a display
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        return dict(zip(NOTEBOOKS, pool.map(_execute, NOTEBOOKS)))
+    from minifsdp.reports.kernels import warm_kernels
+
+    os.environ["MPLBACKEND"] = "Agg"  # the kernel server inherits it: plots render without a display
+    with warm_kernels() as manager, ThreadPoolExecutor(max_workers=2) as pool:
+        return dict(zip(NOTEBOOKS, pool.map(lambda path: _execute(path, manager), NOTEBOOKS)))
 
 
 @pytest.mark.timeout(len(NOTEBOOKS) * 300)

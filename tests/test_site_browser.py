@@ -8,16 +8,16 @@ http.server in a thread, and each page is loaded in Chromium, driven over the De
 - an image that did not load (naturalWidth 0);
 - a figure whose text is drawn smaller than MIN_TEXT_PX on the screen;
 - a table wider than the content column (table.scrollWidth > .md-content__inner's clientWidth).
-Full-page screenshots go to site-screenshots/ with MINIFSDP_SCREENSHOTS=1 (a CI job keeps that directory): drawing
-every page whole, up to 65,000 px tall, is most of the test's time. Every run writes measurements.json
+Screenshots go to site-screenshots/, the directory a CI job keeps: the first screen of every page at each
+width on every run (PAGE-WIDTH-top.jpg), and the whole page with MINIFSDP_SCREENSHOTS=1 (PAGE-WIDTH.jpg):
+drawing every page whole, tens of thousands of px tall, would be most of the test's time. Every run writes measurements.json
 there: each page's height, its figures' text sizes and its tables' widths.
 
 How big a figure's text is drawn. A raster figure of the site is a matplotlib PNG, saved at a dpi that the
 PNG records (its pHYs chunk): text of f points is f * dpi / 72 px in the file, and the page draws the file
 at rendered width / natural width of that. The smallest font size f is the one the PNG records (a text
-chunk, written by minifsdp/reports/style.py), else FIGURE_MIN_FONT_PT's (read from the code that drew
-it); any other PNG, such as a notebook's output, is taken to use matplotlib's smallest default size,
-10 pt. An SVG's is its smallest font-size (16 where its text sets none), times rendered width / its
+chunk, written by minifsdp/reports/style.py); any other PNG, such as a notebook's output, is taken to use
+matplotlib's smallest default size, 10 pt. An SVG's is its smallest font-size (16 where its text sets none), times rendered width / its
 viewBox's width.
 
 Known failures. The pages listed in KNOWN are marked xfail(strict=False), element by element: the test
@@ -54,20 +54,8 @@ VIEWPORT_HEIGHT = 900
 MIN_TEXT_PX = 10.0  # the smallest text a figure may draw on the screen, in CSS px
 
 # A PNG drawn by minifsdp/reports/style.py records its smallest font size (points) and its dpi in these text
-# chunks. For a PNG drawn before that, the smallest font size its generator used, read from the code:
+# chunks. The site's charts are SVGs now; the PNGs left are the notebooks' plots, which record neither.
 MIN_FONT_KEY, DPI_KEY = "minifsdp min font pt", "minifsdp dpi"
-FIGURE_MIN_FONT_PT = {
-    "cost_curves.png": 12,     # bench/sweep.py: rcParams font.size 14, legend.fontsize 12
-    "ddp_memory.png": 8,       # minifsdp/reports/format.py plot_memory: legend fontsize=8
-    "tour_memory.png": 8,      # plot_memory
-    "zero12_memory.png": 8,    # plot_memory
-    "zero2_peak.png": 8,       # plot_memory
-    "fsdp_phases.png": 8,      # plot_memory
-    "precision_loss.png": 10,  # minifsdp/reports/precision.py: matplotlib's defaults
-    "timelines.png": 7,        # minifsdp/measure/timeline.py plot_timeline: legend fontsize=7
-    "tp_overlap.png": 10,      # minifsdp/reports/parallel.py: fontsize=10 and up
-    "pipeline_gantt.png": 10,  # minifsdp/reports/parallel.py
-}
 DEFAULT_MIN_FONT_PT = 10  # matplotlib's smallest default text (tick labels, legend: 'medium' of 10 pt)
 
 
@@ -86,36 +74,34 @@ PAGES = _chapter_pages()
 # stands; the figures are to be redrawn and the tables reflowed, page by page. Until then each failing
 # element is listed here, by page and width, and the test is xfail for that page and width (see KNOWN).
 
-# The charts at 390 px (two of them at 1280 px too); the notebooks' plots ("image/png #i": the page's i-th
-# image); the diagrams (SVG) at 390 px.
+# The charts and the diagrams (SVG) at 390 px; the notebooks' plots ("image/png #i": the page's i-th image).
 FIGURES_TOO_SMALL: dict[str, dict[int, set[str]]] = {
     "index": {
-        390: {"tour_memory.png"},
+        390: {"tour_memory.svg"},
     },
     "01_ddp": {
         390: {"ddp_buckets.svg", "ring_allreduce.svg"},
     },
     "02_memory": {
-        390: {"ddp_memory.png", "zero_stages.svg"},
+        390: {"ddp_memory.svg", "zero_stages.svg"},
     },
     "03_zero1": {
-        390: {"oss_partition.svg", "zero12_memory.png"},
+        390: {"oss_partition.svg", "zero12_memory.svg"},
     },
     "04_zero2": {
-        390: {"zero12_memory.png", "zero2_peak.png"},
+        390: {"zero12_memory.svg", "zero2_peak.svg"},
     },
     "05_flat_param": {
         390: {"flat_parameter.svg"},
     },
     "06_fsdp": {
-        390: {"fsdp_phases.png", "fsdp_unit_lifecycle.svg"},
+        390: {"fsdp_phases.svg", "fsdp_unit_lifecycle.svg"},
     },
     "07_overlap": {
-        1280: {"cost_curves.png", "timelines.png"},
-        390: {"backward_prefetch.svg", "cost_curves.png", "timelines.png"},
+        390: {"backward_prefetch.svg", "cost_curves.svg", "timelines.svg"},
     },
     "08_precision": {
-        390: {"mixed_precision.svg", "precision_loss.png"},
+        390: {"mixed_precision.svg", "precision_loss.svg"},
     },
     "09_training": {
         390: {"activation_checkpointing.svg"},
@@ -127,7 +113,7 @@ FIGURES_TOO_SMALL: dict[str, dict[int, set[str]]] = {
         390: {"hsdp_mesh.svg"},
     },
     "12_parallel": {
-        390: {"pipeline_1f1b.svg", "pipeline_gantt.png", "tp_f_g.svg", "tp_overlap.png"},
+        390: {"pipeline_1f1b.svg", "pipeline_gantt.svg", "tp_f_g.svg", "tp_overlap.svg"},
     },
     "13_scaling": {
         390: {"scaling_memory.svg"},
@@ -182,7 +168,6 @@ TABLES_TOO_WIDE: dict[str, dict[int, set[str]]] = {
         390: {"collective | rank 0 ends with"},
     },
     "02_memory": {
-        1280: {"stage | each rank keeps 1/N of"},
         390: {"N | activations + other at peak", "N | params", "stage | each rank keeps 1/N of"},
     },
     "03_zero1": {
@@ -195,14 +180,14 @@ TABLES_TOO_WIDE: dict[str, dict[int, set[str]]] = {
         390: {"moment | gradient bytes alive, measured"},
     },
     "06_fsdp": {
-        1280: {"strategy | odd_shapes"},
-        390: {"strategy | N = 1", "strategy | odd_shapes", "strategy | parameters",
-              "unit | parameters (→ padded)", "wte and lm_head | full buffers: the root + the largest oth"},
+        390: {"strategy | N = 1", "strategy | parameters", "unit | parameters (→ padded)",
+              "wte and lm_head | full buffers: the root + the largest oth"},
     },
     "07_overlap": {
-        1280: {" | a at N=1", "shape | Ψ", "Ψ | N"},
-        390: {" | a at N=1", " | median step", " | Ψ", "backward_prefetch | unit i−1's all-gather is issued",
-              "mode | parameter bytes in forward, measured", "mode | step time", "shape | Ψ", "Ψ | N"},
+        390: {" | a at N=1", " | k at N=1", " | median step", " | Ψ",
+              "backward_prefetch | unit i−1's all-gather is issued",
+              "mode | parameter bytes in forward, measured", "mode | step time", "shape | minifsdp FSDP",
+              "shape | rank 0: minifsdp FSDP", "shape | Ψ", "Ψ | 1.0M", "Ψ | N"},
     },
     "08_precision": {
         390: {"FSDP: policy | units", "format | bytes", "strategy | precision"},
@@ -217,20 +202,17 @@ TABLES_TOO_WIDE: dict[str, dict[int, set[str]]] = {
         390: {" | median step", "N | contender", "group | collective"},
     },
     "12_parallel": {
-        1280: {"contender | layout", "schedule | rank", "schedule | v", "t | LayerNorm region, TP",
-               "t | parameter bytes"},
-        390: {" | forward", "contender | layout", "path | backward", "schedule | order on rank r of p",
-              "schedule | rank", "schedule | v", "t | LayerNorm region, TP", "t | parameter bytes"},
+        390: {" | forward", "contender | dp bytes", "contender | layout", "path | backward", "rank | in flight",
+              "schedule | order on rank r of p", "schedule | v", "t | TP", "t | elsewhere, TP"},
     },
     "13_calculator": {
         390: {"per rank | GB (10⁹ B)"},
     },
     "13_scaling": {
-        1280: {"model | GPUs", "model | N", "model | nodes", "source | configuration", "source | table",
-               "stage | the paper"},
-        390: {" | measured", " | peak of forward", "collective | size", "group | ranks", "model | GPUs",
-              "model | N", "model | nodes", "source | cited as", "source | configuration", "source | rows",
-              "source | table", "stage | the paper", "the notes | their figure"},
+        390: {" | measured", " | peak of forward", "N | ddp", "collective | size",
+              "configuration | published MFU", "group | ranks", "model | GPUs", "nodes | GPUs",
+              "source | cited as", "source | configuration", "source | rows", "stage | bf16-master: measured",
+              "stage | the paper", "strategy | step", "table | configuration", "the notes | their figure"},
     },
     "notebook-06_fsdp": {
         390: {"when | collective"},
@@ -429,7 +411,7 @@ def _figure_text(img: dict, site: Path) -> tuple[str, float | None]:
     dpi = float(texts.get(DPI_KEY, dpi or 0)) or None
     if dpi is None:
         return name, None
-    points = float(texts.get(MIN_FONT_KEY, FIGURE_MIN_FONT_PT.get(name, DEFAULT_MIN_FONT_PT)))
+    points = float(texts.get(MIN_FONT_KEY, DEFAULT_MIN_FONT_PT))
     return name, points * dpi / 72 * img["width"] / img["naturalWidth"]
 
 
@@ -511,7 +493,7 @@ def measured(site, server, browser) -> dict[tuple[str, int], dict]:
     """Each page at each width, loaded once: what it reported, its console errors, its figures' text."""
     SCREENSHOTS.mkdir(exist_ok=True)
     shoot = os.environ.get("MINIFSDP_SCREENSHOTS", "0") != "0"
-    for old in [*SCREENSHOTS.glob("*.png"), *SCREENSHOTS.glob("*.jpg")] if shoot else []:
+    for old in [*SCREENSHOTS.glob("*.png"), *SCREENSHOTS.glob("*.jpg")]:
         old.unlink()
     out = {}
     for width in WIDTHS:
@@ -527,9 +509,9 @@ def measured(site, server, browser) -> dict[tuple[str, int], dict]:
             report["errors"] = _errors(browser.events)
             report["figures"] = [dict(zip(("name", "text_px"), _figure_text(img, site)), width=img["width"])
                                  for img in report["images"]]
-            if shoot:
-                report["screenshot"] = _screenshot(browser, width, report["height"],
-                                                   SCREENSHOTS / f"{page_id}-{width}").name
+            # Every run keeps what a reader sees first; MINIFSDP_SCREENSHOTS=1 keeps the whole page.
+            report["screenshot"] = _screenshot(browser, width, report["height"] if shoot else VIEWPORT_HEIGHT,
+                                               SCREENSHOTS / f"{page_id}-{width}{'' if shoot else '-top'}").name
             out[(page_id, width)] = report
     summary = {f"{page_id}@{width}": {k: v for k, v in r.items() if k != "images"}
                for (page_id, width), r in out.items()}

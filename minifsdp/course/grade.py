@@ -38,6 +38,7 @@ from typing import Iterable, Iterator, Sequence
 
 from minifsdp.course.assemble import assemble
 from minifsdp.course.student import PACKAGE, Exercise, copy_files, find_exercises, project_files
+from minifsdp.course.warm import WarmPool, WarmPython
 
 DEFAULT_TIMEOUT = 900.0  # seconds per chapter: the longest chapter takes a few minutes on two cores
 PLUGIN = "_minifsdp_grade_plugin"  # the name plugin.py is loaded under, which no project provides
@@ -113,16 +114,22 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 def run_pytest(project: str | Path, args: Sequence[str], plugins: Path, timeout: float | None = None,
-               keep_out: Sequence[Path] = ()) -> PytestRun:
-    """pytest in `project` with the grader's plugin; `keep_out`: directories never put on the path."""
+               keep_out: Sequence[Path] = (), warm: WarmPython | WarmPool | None = None) -> PytestRun:
+    """pytest in `project` with the grader's plugin; `keep_out`: directories never put on the path; `warm`:
+    run it as a child of this warm interpreter (warm.py) instead of a fresh one."""
     project = Path(project).resolve()
     with tempfile.TemporaryDirectory(prefix=f"{PACKAGE}-report-") as tmp:
         report_file = Path(tmp) / "report.json"
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", PLUGIN,
-               f"--grade-report={report_file}", f"--rootdir={project}", *args]
+        pytest_args = ["-q", "-p", "no:cacheprovider", "-p", PLUGIN, f"--grade-report={report_file}",
+                       f"--rootdir={project}", *args]
         started = time.monotonic()
         env = _environment(project, plugins, [Path(k).resolve() for k in keep_out])
-        proc = subprocess.Popen(cmd, cwd=project, env=env,
+        if warm is not None:
+            returncode, output, timed_out = warm.run(project, pytest_args, env, timeout)
+            if timed_out:
+                output += f"\n[{PACKAGE}] stopped after {timeout:g} s"
+            return _finish(returncode, report_file, output, started, timed_out)
+        proc = subprocess.Popen([sys.executable, "-m", "pytest", *pytest_args], cwd=project, env=env,
                                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, errors="replace", start_new_session=True)
         timed_out = False
@@ -137,14 +144,17 @@ def run_pytest(project: str | Path, args: Sequence[str], plugins: Path, timeout:
             _stop(proc)
             proc.wait()
             raise
-        seconds = time.monotonic() - started
-        report = None
-        if report_file.is_file() and not timed_out:
-            try:
-                report = json.loads(report_file.read_text(encoding="utf-8"))
-            except ValueError:
-                report = None
-    return PytestRun(proc.returncode, report, output[-_TAIL:], seconds, timed_out)
+        return _finish(proc.returncode, report_file, output, started, timed_out)
+
+
+def _finish(returncode: int, report_file: Path, output: str, started: float, timed_out: bool) -> PytestRun:
+    report = None
+    if report_file.is_file() and not timed_out:
+        try:
+            report = json.loads(report_file.read_text(encoding="utf-8"))
+        except ValueError:
+            report = None
+    return PytestRun(returncode, report, output[-_TAIL:], time.monotonic() - started, timed_out)
 
 
 # -- what the reference asks ---------------------------------------------------------------------------------

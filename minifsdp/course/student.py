@@ -19,7 +19,9 @@ writes the code back -- between the markers, which is where the grader (grade.py
     python -m minifsdp grade my_copy
 
 A student copy holds what git would commit (tracked and untracked files, nothing ignored) when the
-project is a git work tree, and otherwise the project's files less caches and build outputs.
+project is a git work tree, and otherwise the project's files less caches and build outputs; never the
+instructor's directory (`instructor/`: the answers to the chapters' "why" questions, and the wrong solutions
+that show what the mechanism tests catch).
 
 From Python: `find_exercises`, `strip_solutions`, `write_student_copy`, `project_files`.
 """
@@ -45,6 +47,9 @@ PACKAGE = "minifsdp"
 _SKIP_DIRS = {".git", "__pycache__", "site", "build", "dist", ".pytest_cache", ".ipynb_checkpoints",
               ".benchmarks", ".hypothesis", ".mypy_cache", ".ruff_cache", ".venv", "node_modules"}
 _SKIP_SUFFIXES = (".egg-info", ".pyc", ".pyo")
+
+# Top-level directories for the instructor's eyes only: what answers the exercises in words or in code.
+INSTRUCTOR_ONLY = ("instructor",)
 
 # A marker is any comment starting like one; anything after that must then be well formed, so a typo
 # is an error instead of a solution silently shipped to students.
@@ -298,7 +303,7 @@ def write_student_copy(src_root: str | Path = ".", out_dir: str | Path = "studen
                              f"(exercises: {known})")
 
     # Strip everything in memory first: a bad marker must stop us before a half-made copy exists.
-    files = project_files(src, skip=out)
+    files = [rel for rel in project_files(src, skip=out) if rel.parts[0] not in INSTRUCTOR_ONLY]
     stripped: dict[Path, str] = {}
     removed: list[tuple[Exercise, int]] = []
     for path in _package_sources(src):

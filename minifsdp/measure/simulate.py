@@ -484,18 +484,52 @@ def sweep(models, world_sizes, strategies, precision: str = "fp32", **fields) ->
     return results
 
 
-def sweep_table(results: list[dict]) -> str:
-    lines = ["| model | N | strategy | model states after the step, measured | analytic | ratio | peak of the step "
-             "| bytes sent per step | analytic (ZeRO paper) |", "|" + "---|" * 9]
+SWEEP_FIELDS = ("states", "analytic", "ratio", "peak", "sent", "sent_analytic")
+
+
+def sweep_cells(results: list[dict]) -> dict[tuple[str, int, str], dict[str, str]]:
+    """(model, N, strategy) -> the sweep's figures as printed: model states after the step, measured and analytic,
+    their ratio, the peak of the step, the bytes sent per step, counted and the ZeRO paper's."""
+    cells = {}
     for r in results:
         s, after = r["spec"], r["phases"]["after optimizer step"]
         measured = after["params"] + after["grads"] + after["optim"]
         model = r["analytic"]["model states"]["total"]
         peak = max(r["phases"][p]["total"] for p in ("peak of forward", "peak of backward", "peak of optimizer step"))
-        lines.append(f"| {s['model']} | {s['world_size']:,} | {s['strategy']} | {fmt(measured)} | {fmt(model)} "
-                     f"| {measured / model:.4f} | {fmt(peak)} | {fmt(sum(comm_totals(r).values()))} "
-                     f"| {fmt(r['analytic']['comm total, ZeRO paper'])} |")
-    return "\n".join(lines)
+        cells[(s["model"], s["world_size"], s["strategy"])] = dict(zip(SWEEP_FIELDS, (
+            fmt(measured), fmt(model), f"{measured / model:.4f}", fmt(peak), fmt(sum(comm_totals(r).values())),
+            fmt(r["analytic"]["comm total, ZeRO paper"]))))
+    return cells
+
+
+def sweep_layout(cells: dict[tuple[str, int, str], dict[str, str]]) -> str:
+    """A tab per model; in it a table per quantity, a row per N and the strategies side by side (split into
+    tables of MAX_COLUMNS where there are more), the analytic figures folded under them."""
+    from minifsdp.reports.format import MAX_COLUMNS, md_folded, md_table, md_tabs
+
+    def tables(model, fields):
+        ns = sorted({n for m, n, _ in cells if m == model})
+        strategies = list(dict.fromkeys(s for m, _, s in cells if m == model))
+        out = []
+        for field, caption in fields:
+            for i in range(0, len(strategies), MAX_COLUMNS - 1):
+                chunk = strategies[i:i + MAX_COLUMNS - 1]
+                out.append(md_table(["N", *chunk], [[f"{n:,}", *(cells[(model, n, s)][field] if (model, n, s) in cells
+                                                              else "-" for s in chunk)] for n in ns], caption=caption))
+        return "\n\n".join(out)
+
+    shown = (("states", "Model states after the step, measured"), ("peak", "Peak of the step"),
+             ("sent", "Bytes sent per step"))
+    folded = (("analytic", "Model states, analytic"), ("ratio", "Model states, measured / analytic"),
+              ("sent_analytic", "Bytes sent per step, analytic (ZeRO paper)"))
+    models = list(dict.fromkeys(m for m, _, _ in cells))
+    return md_tabs([(model, tables(model, shown) + "\n\n" + md_folded("The analytic figures, and measured / analytic",
+                                                                     tables(model, folded)))
+                    for model in models])
+
+
+def sweep_table(results: list[dict]) -> str:
+    return sweep_layout(sweep_cells(results))
 
 
 MARKERS = {"ddp": "o", "oss": "s", "sdp": "^", "fsdp": "D", "fully_shard": "v"}
@@ -642,6 +676,20 @@ def example_limit_all_gathers(world_size: int = 64, layers: int | None = None, s
 EXAMPLES = ("fsdp-notes", "zero-7.5b", "limit-all-gathers")
 
 
+def zero_table(rows: list[list[str]]) -> str:
+    """The ZeRO paper's four figures next to the simulator's, a row per stage: [stage, the paper, bf16-master's
+    states, params, grads, optimizer, states rounded as the paper does, analytic, bf16's states, analytic], in
+    GB as printed. What the states add up from is folded under it (six columns fit the docs' column)."""
+    from minifsdp.reports.format import md_folded, md_table
+
+    main = md_table(["stage", "the paper", "bf16-master: measured (rounded)", "analytic",
+                     "bf16 (minifsdp's MixedPrecision): measured", "analytic"],
+                    [[r[0], r[1], f"{r[2]} ({r[6]})", r[7], r[8], r[9]] for r in rows])
+    split = md_table(["stage", "bf16-master: measured", "= params", "+ grads", "+ optimizer"],
+                     [[r[0], r[2], r[3], r[4], r[5]] for r in rows])
+    return main + "\n\n" + md_folded("bf16-master's model states: parameters, gradients and optimizer state", split)
+
+
 def worked_examples_report(names=EXAMPLES) -> str:
     parts = ["## The seeds' worked examples, by the simulator\n"]
     if "fsdp-notes" in names:
@@ -690,15 +738,14 @@ def worked_examples_report(names=EXAMPLES) -> str:
             f"model of Ψ = {psi:,} (72 layers of dim 3072, Megatron-LM 8.3B's depth and width), rank 0 of 64, "
             f"one step; model states = parameters + gradients + optimizer state after the optimizer step (those "
             f"of any step), in GB (1e9 bytes).\n",
-            "| stage | the paper | bf16-master: measured (params + grads + optimizer) | rounded | analytic | "
-            "bf16 (minifsdp's MixedPrecision): measured | analytic |", "|---|---|---|---|---|---|---|"]
-        for strategy, label in (("ddp", "DDP (16Ψ)"), ("oss", "ZeRO-1, OSS (4Ψ + 12Ψ/N)"),
-                                ("sdp", "ZeRO-2, SDP (2Ψ + 14Ψ/N)"), ("fsdp", "ZeRO-3, FSDP (16Ψ/N)")):
-            m, b = z[("bf16-master", strategy)], z[("bf16", strategy)]
-            parts.append(f"| {label} | {ZERO_PAPER_GB[strategy]} | {m['states'] / 1e9:.3f} = "
-                         f"{m['params'] / 1e9:.3f} + {m['grads'] / 1e9:.3f} + {m['optim'] / 1e9:.3f} "
-                         f"| {m['states'] / 1e9:.1f} | {m['analytic'] / 1e9:.3f} | {b['states'] / 1e9:.3f} "
-                         f"| {b['analytic'] / 1e9:.3f} |")
+            zero_table([[label, f"{ZERO_PAPER_GB[strategy]}", *(f"{v / 1e9:.3f}" for v in (
+                              z[("bf16-master", strategy)][k] for k in ("states", "params", "grads", "optim"))),
+                          f"{z[('bf16-master', strategy)]['states'] / 1e9:.1f}",
+                          *(f"{z[(precision, strategy)][k] / 1e9:.3f}" for precision, k in (
+                              ("bf16-master", "analytic"), ("bf16", "states"), ("bf16", "analytic")))]
+                         for strategy, label in (("ddp", "DDP (16Ψ)"), ("oss", "ZeRO-1, OSS (4Ψ + 12Ψ/N)"),
+                                                 ("sdp", "ZeRO-2, SDP (2Ψ + 14Ψ/N)"),
+                                                 ("fsdp", "ZeRO-3, FSDP (16Ψ/N)"))])]
         parts += ["",
                   "bf16-master is the paper's accounting: the model held in bf16 (parameters 2, gradients 2 bytes) and "
                   "`MasterAdamW` keeping fp32 master weights, momentum and variance (K = 12) for the parameters it "

@@ -5,9 +5,10 @@ each cell prints and draws. To keep those outputs from going stale, each noteboo
 metadata (`metadata.minifsdp.code_hash`) a hash of the code cells that made them; tests/test_notebooks.py
 fails when a code cell has changed since, naming the command that brings the outputs up to date.
 
-Each notebook runs top to bottom in a fresh Jupyter kernel (nbclient, as the test does), two at a time:
-much of a notebook's time is a kernel starting and importing torch, one core's work. A failing cell
-stops that notebook, leaves its file as it was, and makes the command exit 1.
+Each notebook runs top to bottom in a fresh Jupyter kernel (nbclient, as the test does), two at a time.
+The kernels are forked from one process that has imported torch and matplotlib (kernels.py), so none
+spends seconds importing them again. A failing cell stops that notebook, leaves its file as it was, and
+makes the command exit 1.
 
 Running also puts the note on how to run a notebook (run_note) under the notebook's title, or brings an
 older note up to date: the same words at the top of every notebook and of its page on the site, with a
@@ -86,17 +87,19 @@ def problems(nb, name: str) -> list[str]:
     return out
 
 
-def execute(path: Path) -> str | None:
+def execute(path: Path, kernel_manager_class=None) -> str | None:
     """Run one notebook in a fresh kernel and write it back with its outputs and code hash: None, or
-    what the failing cell raised (the file is then left as it was)."""
+    what the failing cell raised (the file is then left as it was). `kernel_manager_class`: how the kernel
+    is started (kernels.warm_kernels), or None for jupyter_client's own."""
     import nbclient
     import nbformat
     from nbclient.exceptions import CellExecutionError
 
     nb = nbformat.read(path, as_version=4)
     nb.cells[0].source = with_run_note(nb.cells[0].source, path.name)
+    extra = {"kernel_manager_class": kernel_manager_class} if kernel_manager_class else {}
     client = nbclient.NotebookClient(nb, timeout=CELL_TIMEOUT, kernel_name="python3", record_timing=False,
-                                     resources={"metadata": {"path": str(path.parent)}})
+                                     resources={"metadata": {"path": str(path.parent)}}, **extra)
     try:
         client.execute()
     except CellExecutionError as e:
@@ -128,8 +131,11 @@ def main(argv: list[str] | None = None) -> int:
 
     # the kernels inherit it: every figure is drawn into the cell's output, with or without %matplotlib inline
     os.environ["MPLBACKEND"] = "module://matplotlib_inline.backend_inline"
-    with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-        failures = {p: err for p, err in zip(paths, pool.map(execute, paths)) if err is not None}
+    from minifsdp.reports.kernels import warm_kernels
+
+    with warm_kernels() as manager, ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        ran = pool.map(lambda path: execute(path, manager), paths)
+        failures = {p: err for p, err in zip(paths, ran) if err is not None}
     for p in paths:
         print(f"{p.name}: {'FAILED' if p in failures else 'ran, outputs stored'}")
     for p, err in failures.items():

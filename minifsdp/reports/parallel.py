@@ -59,7 +59,7 @@ from minifsdp.parallel import (ColumnParallelLinear, PipelineStage, Schedule1F1B
                                ScheduleInterleaved1F1B, TensorParallelGPT, gpt_loss, split_gpt, stages_of_rank)
 from minifsdp.parallel.compose import allreduce_gradients
 from minifsdp.reports import style
-from minifsdp.reports.format import fmt_bytes, write_report
+from minifsdp.reports.format import fmt_bytes, md_table, md_tabs, write_report
 from minifsdp.train import OPTIMIZERS
 
 PARTS = ("tp", "overlap", "pp", "compare")
@@ -222,27 +222,31 @@ def tp_results(world_sizes=(1, 2, 4), config: GPTConfig = TP_CONFIG, b: int = TP
 
 
 def tp_table(rows: list[dict], config: GPTConfig = TP_CONFIG, b: int = TP_BATCH) -> str:
+    """Four short tables, each with the measured next to its formula (nine columns in one would scroll sideways
+    in the docs' column, md_table)."""
     split, replicated = split_and_replicated(config)
     head = (f"**Tensor parallelism**, TinyGPT ({config.n_layer} blocks, h = {config.n_embd}, {config.n_head} heads, "
             f"vocabulary {config.vocab_size}; Ψ_split = {split:,}, Ψ_replicated = {replicated:,}), b = {b}, "
-            f"s = {config.block_size}, fp32; per rank, the largest over the t ranks; bytes per training step on the "
-            f"tp group, counted and by the formula\n\n"
-            "| t | parameter bytes | 4·(Ψ_split/t + Ψ_replicated) | bytes per step, TP | formula | "
-            "bytes per step, TP + SP | formula |\n|---|---|---|---|---|---|---|\n")
-    lines = [f"| {r['t']} | {r['param_bytes']:,} | {r['param_theory']:,} | {r[('bytes', False)]:,.0f} | "
-             f"{r[('bytes_theory', False)]:,.0f} | {r[('bytes', True)]:,.0f} | {r[('bytes_theory', True)]:,.0f} |"
-             for r in rows]
-    saved = ("\n\n**Activations saved for backward** by one forward (bytes per rank), in the LayerNorm region "
-             "(ln_1, ln_2, ln_f and the column layers that keep their outputs) and elsewhere, without and with "
-             "sequence parallelism\n\n"
-             "| t | LayerNorm region, TP | TP + SP | ratio | formula: region / t | elsewhere, TP | TP + SP | "
-             "all saved, TP | TP + SP |\n|---|---|---|---|---|---|---|---|---|\n")
-    saved_lines = [f"| {r['t']} | {r[('ln_region', False)]:,} | {r[('ln_region', True)]:,} | "
-                   f"1/{r[('ln_region', False)] / r[('ln_region', True)]:.3g} | "
-                   f"{r['ln_region_theory'] // r['t']:,} | {r[('saved', False)] - r[('ln_region', False)]:,} | "
-                   f"{r[('saved', True)] - r[('ln_region', True)]:,} | {r[('saved', False)]:,} | "
-                   f"{r[('saved', True)]:,} |" for r in rows]
-    return head + "\n".join(lines) + saved + "\n".join(saved_lines) + "\n"
+            f"s = {config.block_size}, fp32; per rank, the largest over the t ranks.")
+    params = md_table(["t", "parameter bytes", "4·(Ψ_split/t + Ψ_replicated)"],
+                      [[r["t"], f"{r['param_bytes']:,}", f"{r['param_theory']:,}"] for r in rows],
+                      caption="Parameter bytes per rank")
+    step = md_table(["t", "TP", "formula", "TP + SP", "formula"],
+                    [[r["t"], *(f"{r[(k, sp)]:,.0f}" for sp in (False, True) for k in ("bytes", "bytes_theory"))]
+                     for r in rows],
+                    caption="Bytes per training step on the tp group, counted and by the formula")
+    region = md_table(["t", "TP", "TP + SP", "ratio", "formula: region / t"],
+                      [[r["t"], f"{r[('ln_region', False)]:,}", f"{r[('ln_region', True)]:,}",
+                        f"1/{r[('ln_region', False)] / r[('ln_region', True)]:.3g}",
+                        f"{r['ln_region_theory'] // r['t']:,}"] for r in rows],
+                      caption="Activations saved for backward by one forward, bytes per rank, in the LayerNorm "
+                              "region (ln_1, ln_2, ln_f and the column layers that keep their outputs)")
+    rest = md_table(["t", "elsewhere, TP", "TP + SP", "all saved, TP", "TP + SP"],
+                    [[r["t"], f"{r[('saved', False)] - r[('ln_region', False)]:,}",
+                      f"{r[('saved', True)] - r[('ln_region', True)]:,}", f"{r[('saved', False)]:,}",
+                      f"{r[('saved', True)]:,}"] for r in rows],
+                    caption="… elsewhere, and in all, without and with sequence parallelism")
+    return "\n\n".join([head, params, step, region, rest]) + "\n"
 
 
 # -- the input gradient's all-reduce behind the weight gradient --------------------------------------------------------
@@ -574,28 +578,33 @@ def pp_table(results: dict, p: int = PP_RANKS, m: int = PP_MICRO, config: GPTCon
     head = (f"**Pipeline schedules**, p = {p} ranks, m = {m} micro-batches of {batch // m} sequences, TinyGPT of "
             f"{config.n_layer} blocks (h = {config.n_embd}); every forward of a stage made to last "
             f"{compute_time[0] * 1e3:.0f} ms and every backward {compute_time[1] * 1e3:.0f} ms (÷ v for the "
-            f"interleaved schedule's v stages per rank); the bubble: each rank's idle share of the step\n\n"
-            "| schedule | v | bubble, mean over ranks | min – max | formula (p−1)/(v·m+p−1) | step | "
-            "ideal step (v·m+p−1)(t_f+t_b)/v |\n|---|---|---|---|---|---|---|\n")
-    lines = []
+            f"interleaved schedule's v stages per rank); the bubble: each rank's idle share of the step")
+    rows = []
     for name, r in results.items():
         b, v = r["bubbles"], r["v"]
         start, end = _extent(r["timelines"])
-        step = end - start
         ideal = (v * m + p - 1) * sum(compute_time) / v
-        lines.append(f"| {name} | {v} | {statistics.mean(b):.3f} | {min(b):.3f} – {max(b):.3f} | "
-                     f"{r['formula']:.3f} | {step * 1e3:.0f} ms | {ideal * 1e3:.0f} ms |")
-    per_rank = ("\n\n**Per rank**: micro-batches in flight at the peak (measured on the timeline; predicted by the "
-                "order: GPipe m, 1F1B p − r, interleaved 2(p−r−1) + (v−1)p + 1 pieces of 1/v stage), activation "
-                "bytes at their peak (MemoryMeter, one step), bytes sent in a step (counted; formula: an "
-                "activation per micro-batch across each boundary after the rank's stages, a gradient across each "
-                "before, the tied embedding's gradient at either end)\n\n"
-                "| schedule | rank | in flight | predicted | activation peak | bytes sent | formula |\n"
-                "|---|---|---|---|---|---|---|\n")
-    rows = [f"| {name} | {k} | {r['in_flight'][k]} | {r['in_flight_predicted'][k]} | "
-            f"{r['activation_peak'][k]:,} | {r['sent'][k]:,.0f} | {r['sent_formula'][k]:,} |"
-            for name, r in results.items() for k in range(p)]
-    return head + "\n".join(lines) + per_rank + "\n".join(rows) + "\n"
+        rows.append([name, v, f"{statistics.mean(b):.3f} ({min(b):.3f} – {max(b):.3f})", f"{r['formula']:.3f}",
+                     f"{(end - start) * 1e3:.0f} ms", f"{ideal * 1e3:.0f} ms"])
+    per_rank = {name: [[k, r["in_flight"][k], r["in_flight_predicted"][k], f"{r['activation_peak'][k]:,}",
+                        f"{r['sent'][k]:,.0f}", f"{r['sent_formula'][k]:,}"] for k in range(p)]
+                for name, r in results.items()}
+    return pp_layout(head, rows, per_rank)
+
+
+def pp_layout(head: str, rows: list[list], per_rank: dict[str, list[list]]) -> str:
+    """The schedules side by side, then a tab per schedule with a row per rank (seven columns in one table
+    would scroll sideways in the docs' column, md_table)."""
+    schedules = md_table(["schedule", "v", "bubble: mean over ranks (min – max)", "formula (p−1)/(v·m+p−1)", "step",
+                          "ideal step (v·m+p−1)(t_f+t_b)/v"], rows)
+    text = ("**Per rank**, a tab per schedule: micro-batches in flight at the peak (measured on the timeline; "
+            "predicted by the order: GPipe m, 1F1B p − r, interleaved 2(p−r−1) + (v−1)p + 1 pieces of 1/v "
+            "stage), activation bytes at their peak (MemoryMeter, one step), bytes sent in a step (counted; "
+            "formula: an activation per micro-batch across each boundary after the rank's stages, a gradient "
+            "across each before, the tied embedding's gradient at either end)")
+    tabs = md_tabs([(name, md_table(["rank", "in flight", "predicted", "activation peak", "bytes sent", "formula"],
+                                    cells)) for name, cells in per_rank.items()])
+    return "\n\n".join([head, schedules, text, tabs]) + "\n"
 
 
 FORWARD_COLORS = (style.FILLS["blue"], style.LINES["blue"])       # forward through a rank's first stage, its second
@@ -792,6 +801,8 @@ def compare_results(config: GPTConfig = COMPARE_CONFIG, batch: int = COMPARE_BAT
 
 def compare_table(results: dict, config: GPTConfig = COMPARE_CONFIG, batch: int = COMPARE_BATCH,
                   steps: int = COMPARE_STEPS) -> str:
+    """Memory in one table, bytes and time in another: ten columns in one would scroll sideways in the docs'
+    column (md_table)."""
     psi = sum(p.numel() for p in TinyGPT(config, seed=0).parameters())
     ddp_ms = results["DDP"]["time"] * 1e3
     head = (f"**Where each wins**: GPT of {config.n_layer} blocks × {config.n_embd} ({config.n_head} heads, "
@@ -801,16 +812,18 @@ def compare_table(results: dict, config: GPTConfig = COMPARE_CONFIG, batch: int 
             f"tensor, aside), the peak of the last step; bytes sent "
             f"per step in each group; step time, from a barrier to a barrier: the median over steps 2 to {steps - 1} "
             f"of its ratio to DDP's in the same step (DDP's median: {ddp_ms:.0f} ms); Δloss: the largest difference "
-            f"of any step's loss from DDP's (DDP's last: {results['DDP']['final_loss']:.3f})\n\n"
-            "| contender | layout | model states | theory | peak | dp bytes | tp bytes | pp bytes | step time | "
-            "Δloss |\n|---|---|---|---|---|---|---|---|---|---|\n")
-    lines = []
-    for name, r in results.items():
-        sent = [fmt_bytes(r["bytes"][g]) if r["bytes"][g] else "–" for g in GROUPS]
-        lines.append(f"| {name} | {LAYOUTS[name]} | {fmt_bytes(r['states'])} | {fmt_bytes(r['theory'])} | "
-                     f"{fmt_bytes(r['peak'])} | {' | '.join(sent)} | {r['time_ratio']:.2f}× | "
-                     f"{r['loss_diff']:.1e} |")
-    return head + "\n".join(lines) + "\n"
+            f"of any step's loss from DDP's (DDP's last: {results['DDP']['final_loss']:.3f})")
+    return compare_layout(head, [[name, LAYOUTS[name], fmt_bytes(r["states"]), fmt_bytes(r["theory"]),
+                                  fmt_bytes(r["peak"])] for name, r in results.items()],
+                          [[name, *(fmt_bytes(r["bytes"][g]) if r["bytes"][g] else "–" for g in GROUPS),
+                            f"{r['time_ratio']:.2f}×", f"{r['loss_diff']:.1e}"] for name, r in results.items()])
+
+
+def compare_layout(head: str, memory: list[list], sent: list[list]) -> str:
+    return "\n\n".join([head, md_table(["contender", "layout", "model states", "theory", "peak"], memory,
+                                        caption="Memory per rank"),
+                         md_table(["contender", *(f"{g} bytes" for g in GROUPS), "step time", "Δloss"], sent,
+                                  caption="Bytes sent per step, step time next to DDP's, and Δloss")]) + "\n"
 
 
 # -- the command -------------------------------------------------------------------------------------------------------

@@ -28,7 +28,7 @@ import torch
 from minifsdp.distributed import comm
 from minifsdp.distributed.launch import launch
 from minifsdp.fsdp import FullyShardedDataParallel, ModuleWrapPolicy, SizeBasedWrapPolicy
-from minifsdp.reports.format import write_report
+from minifsdp.reports.format import md_tabs, write_report
 from minifsdp.reports.parity_models import GLOBAL_BATCH, MODELS, loss
 from minifsdp.state_dict import get_full_state_dict
 from minifsdp.train import OPTIMIZER_SPECS, OPTIMIZERS, STRATEGIES, max_abs_diff
@@ -288,10 +288,10 @@ def format_markdown(rows: list[dict]) -> str:
     strategies = list(dict.fromkeys(r["strategy"] for r in cases))
     models = list(dict.fromkeys(r["model"] for r in cases))
 
-    def table(key, columns, heading):
+    def table(key, columns, heading, within=cases):
         lines = [f"| strategy | {' | '.join(map(heading, columns))} | cases |", "|---|" + "---|" * (len(columns) + 1)]
         for s in strategies:
-            mine = [r for r in cases if r["strategy"] == s]
+            mine = [r for r in within if r["strategy"] == s]
             cells = [_cell([r for r in mine if r[key] == c]) for c in columns]
             lines.append(f"| {LABELS[s]} | {' | '.join(cells)} | {len(mine)} |")
         return "\n".join(lines)
@@ -323,7 +323,10 @@ def format_markdown(rows: list[dict]) -> str:
          f"over every parameter and buffer, on every rank, with either optimizer: = is bit-exact, ✗ a case "
          f"outside its rule."),
         "", "By world size:", "", table("world_size", world_sizes, lambda n: f"N = {n}"),
-        "", "By model (bit-exact world sizes / the others):", "", table("model", models, model_heading),
+        # a tab per model: seven models side by side would scroll sideways in the docs' column
+        "", "By model:", "", md_tabs([(model_heading(m), table("world_size", world_sizes, lambda n: f"N = {n}",
+                                                                [r for r in cases if r["model"] == m]))
+                                      for m in models]),
         "", (f"† Held to torch's FSDP1 with the same units, where the strategy differs from DDP by design: "
              f"{footnote}. Everything else is held to torch's DDP."),
         "", (f"Control, not a strategy: our DDP averaging every gradient over N + 1 ranks, with SGD, is off by "

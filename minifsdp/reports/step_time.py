@@ -15,7 +15,7 @@ import time
 from dataclasses import replace
 
 from minifsdp.measure import step_time as st
-from minifsdp.reports.format import fmt_bytes, write_report
+from minifsdp.reports.format import fmt_bytes, md_folded, md_table, md_tabs, write_report
 
 CALIBRATION_SIZES = (4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20)
 
@@ -187,37 +187,45 @@ def hardware_text(cluster: st.Cluster) -> str:
 
 
 def strategy_table(models, nodes, cluster_of, run) -> str:
-    lines = ["| model | GPUs | strategy | step | tokens/s/GPU | MFU | compute | communication (sum) | exposed | "
-             "model states per GPU |", "|" + "---|" * 10]
+    """A tab per model and cluster size, the strategies side by side, where the time goes folded under them."""
+    tabs = []
     for m in models:
         for k in nodes:
             c = cluster_of(k)
+            shown, folded = [], []
             for s in st.STRATEGIES:
                 if s == "hsdp" and k == 1:
                     continue  # one node: HSDP is FULL_SHARD
                 p = st.predict(s, m, c, run)
                 states = p.model_state_bytes()
                 fits = "" if states < 80e9 else " (over 80 GB)"
-                lines.append(f"| {m.name} | {c.world} | {st.STRATEGY_NAMES[s]} | {_s(p.step)} | "
-                             f"{p.tokens_per_s_per_gpu:,.0f} | {100 * p.mfu:.1f}% | {_s(p.compute)} | {_s(p.comm)} | "
-                             f"{100 * p.exposed / p.step:.1f}% | {fmt_bytes(states)}{fits} |")
-    return "\n".join(lines)
+                shown.append([st.STRATEGY_NAMES[s], _s(p.step), f"{p.tokens_per_s_per_gpu:,.0f}", f"{100 * p.mfu:.1f}%",
+                              f"{100 * p.exposed / p.step:.1f}%", f"{fmt_bytes(states)}{fits}"])
+                folded.append([st.STRATEGY_NAMES[s], _s(p.compute), _s(p.comm)])
+            tabs.append((f"{m.name}, {c.world} GPUs", md_table(
+                ["strategy", "step", "tokens/s/GPU", "MFU", "exposed communication", "model states per GPU"], shown)
+                + "\n\n" + md_folded("Compute, and communication added up (most of it hidden under compute)",
+                                      md_table(["strategy", "compute", "communication (sum)"], folded))))
+    return md_tabs(tabs)
 
 
 def hsdp_table(models, cluster_of, run, node_counts=(1, 2, 4, 8, 16, 32, 64, 128)) -> str:
-    """FULL_SHARD over every GPU vs HSDP, under both network models (Cluster.busbw)."""
-    lines = ["| model | nodes | GPUs | FSDP | HSDP | HSDP faster by | FSDP, one NIC per ring | HSDP, one NIC per ring "
-             "| HSDP faster by |", "|" + "---|" * 9]
+    """FULL_SHARD over every GPU vs HSDP, under both network models (Cluster.busbw): a tab per model."""
+    tabs = []
     for m in models:
-        for k in node_counts:
-            cells = []
-            for spread in (True, False):
+        tables = []
+        for spread, caption in ((True, "Rings spread over every NIC of a node (the model's network)"),
+                                (False, "Each rank's bytes through its own NIC (one NIC per ring)")):
+            rows = []
+            for k in node_counts:
                 c = replace(cluster_of(k), spread_rings=spread)
                 f, h = st.predict("fsdp", m, c, run), st.predict("hsdp", m, c, run)
-                cells += [f"{_s(f.step)} ({100 * f.exposed / f.step:.1f}% exposed)",
-                          f"{_s(h.step)} ({100 * h.exposed / h.step:.1f}%)", f"{100 * (f.step / h.step - 1):+.1f}%"]
-            lines.append(f"| {m.name} | {k} | {k * cluster_of(1).gpus_per_node} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+                rows.append([k, k * cluster_of(1).gpus_per_node,
+                             f"{_s(f.step)} ({100 * f.exposed / f.step:.1f}% exposed)",
+                             f"{_s(h.step)} ({100 * h.exposed / h.step:.1f}%)", f"{100 * (f.step / h.step - 1):+.1f}%"])
+            tables.append(md_table(["nodes", "GPUs", "FSDP", "HSDP", "HSDP faster by"], rows, caption=caption))
+        tabs.append((m.name, "\n\n".join(tables)))
+    return md_tabs(tabs)
 
 
 def threshold_table(models, nodes, cluster_of, run) -> str:
@@ -295,15 +303,25 @@ def calibration_text(cal: dict, step: dict) -> str:
 
 def published_text() -> str:
     rows = st.compare_published()
-    lines = ["| source | table | configuration | GPUs | published tokens/s/GPU | predicted | error | "
-             "published MFU | predicted MFU | predicted exposed comm | not in the model |", "|" + "---|" * 11]
-    for c in rows:
-        r = c["row"]
-        cal = " (calibration)" if r.calibration else ""
-        mfu = "-" if r.mfu is None else f"{100 * r.mfu:.1f}%"
-        lines.append(f"| {r.source.name} | {r.table} | {r.label}{cal} | {r.gpus} {r.gpu.name} | "
-                     f"{r.tokens_per_s_per_gpu:,.0f} | {c['predicted']:,.0f} | {100 * c['error']:+.1f}% | {mfu} | "
-                     f"{100 * c['predicted_mfu']:.1f}% | {100 * c['exposed']:.1f}% | {r.lacks} |")
+    tabs = []  # a tab per source: 55 rows of eleven columns in one table would be unreadable in the docs' column
+    for src in st.SOURCES:
+        mine = [c for c in rows if c["row"].source is src]
+        if not mine:
+            continue
+        shown, folded = [], []
+        for c in mine:
+            r = c["row"]
+            label = r.label + (" (calibration)" if r.calibration else "")
+            shown.append([r.table, label, f"{r.gpus} {r.gpu.name}", f"{r.tokens_per_s_per_gpu:,.0f}",
+                          f"{c['predicted']:,.0f}", f"{100 * c['error']:+.1f}%"])
+            folded.append([label, "-" if r.mfu is None else f"{100 * r.mfu:.1f}%", f"{100 * c['predicted_mfu']:.1f}%",
+                           f"{100 * c['exposed']:.1f}%", r.lacks])
+        tabs.append((src.name, md_table(["table", "configuration", "GPUs", "published tokens/s/GPU", "predicted",
+                                         "error"], shown)
+                     + "\n\n" + md_folded("MFU, published and predicted; exposed communication; what the model "
+                                           "leaves out", md_table(["configuration", "published MFU", "predicted MFU",
+                                                     "predicted exposed comm", "not in the model"], folded))))
+    lines = [md_tabs(tabs)]
     predicted = [c for c in rows if not c["row"].calibration]
     summary = ["| source | rows | median error | median absolute error | largest absolute error |",
                "|---|---|---|---|---|"]
@@ -317,8 +335,8 @@ def published_text() -> str:
         errs = [c["error"] for c in predicted if keep(c["row"])]
         summary.append(f"| all, {label} | {len(errs)} | {100 * statistics.median(errs):+.1f}% | "
                        f"{100 * statistics.median(abs(e) for e in errs):.1f}% | {100 * max(map(abs, errs)):.1f}% |")
-    multi = ["| source | configuration | GPUs | published | rings over all NICs (the model) | error | one NIC per ring "
-             "| error |", "|" + "---|" * 8]
+    multi = ["| source | configuration | GPUs | published | rings over all NICs (the model), error | one NIC per ring, "
+             "error |", "|" + "---|" * 6]
     flat_errors = []
     for c in rows:
         r = c["row"]
@@ -328,8 +346,8 @@ def published_text() -> str:
         e = flat.tokens_per_s_per_gpu / r.tokens_per_s_per_gpu - 1
         flat_errors.append(e)
         multi.append(f"| {r.source.name} | {r.label} | {r.gpus} | {r.tokens_per_s_per_gpu:,.0f} | "
-                     f"{c['predicted']:,.0f} | {100 * c['error']:+.1f}% | {flat.tokens_per_s_per_gpu:,.0f} | "
-                     f"{100 * e:+.1f}% |")
+                     f"{c['predicted']:,.0f} ({100 * c['error']:+.1f}%) | {flat.tokens_per_s_per_gpu:,.0f} "
+                     f"({100 * e:+.1f}%) |")
     sources = ["| source | cited as | setup, as stated | assumed here |", "|---|---|---|---|"]
     sources += [f"| {s.name} | `{s.citation}` | {s.setup} | {s.assumed} |" for s in st.SOURCES]
     return ("Published throughput of FSDP runs next to the model's prediction (FSDP FULL_SHARD, blocks as units). "

@@ -90,6 +90,19 @@ def charts(fn):
     return wrapped
 
 
+def notebook() -> None:
+    """Draw every later figure of this notebook in the style's colours: transparent backgrounds, MUTED text and
+    axes, LINES for the colour cycle, so the PNGs stored with a notebook read on the site's white and slate
+    pages alike. Call it after `%matplotlib inline`, which sets rcParams of its own. Sizes and layout stay
+    the notebook's: its figures are not charts for the docs' column, and `save`'s checks do not apply."""
+    import matplotlib
+    from cycler import cycler
+
+    keep = ("figure.figsize", "figure.constrained_layout.use", "svg.fonttype", "svg.hashsalt")
+    matplotlib.rcParams.update({k: v for k, v in RC.items() if k not in keep})
+    matplotlib.rcParams["axes.prop_cycle"] = cycler(color=list(LINES.values()))
+
+
 def figure(height: float, nrows: int = 1, ncols: int = 1, **kwargs):
     """A figure WIDTH_IN wide and `height` inches tall, with its axes (plt.subplots' arguments)."""
     import matplotlib.pyplot as plt

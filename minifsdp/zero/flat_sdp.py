@@ -112,7 +112,7 @@ class FlatShardedDataParallel(FairScaleMethods, DistributedDataParallel):
         # At most one in flight, as in torch's FSDP2, and a fixed rule, so memory is the same in every run.
         self._retire()
         layout = self._flat_buckets[self._next]  # the FlatOSS's bucket: where these params live, flat
-        # BEGIN EXERCISE 4.3: reduce-scatter the bucket's averaged gradients (async), free the full grads
+        # BEGIN EXERCISE 4.2: reduce-scatter the bucket's averaged gradients (async), free the full grads
         flat = layout.flat_grad(1.0 / self.world_size, self.reduce_dtype, release=True)  # .grad dropped as copied
         chunk = torch.empty_like(layout.shard, dtype=flat.dtype)
         handle = comm.reduce_scatter(chunk, flat, async_op=True, tag=f"bucket{self._next}",

@@ -14,7 +14,7 @@ tests are what tell a right solution from a lucky one.
     3.2   one broadcast per parameter instead of one flat tensor per owner
     3.3   all-reduce then slice: the same average, with twice a reduce-scatter's bytes
     4.1   the owner keeps its own gradients through backward; only the ones sent away are dropped
-    4.3   all-reduce then slice, waited for at once: twice the bytes, and no overlap
+    4.2   all-reduce then slice, waited for at once: twice the bytes, and no overlap
     5.1   the shard a view into a full-size copy: the right values, the whole unit kept
     5.2   all-reduce then slice: the same shard of the average, with twice the bytes
     5.3   all-gathered into a buffer of its own, waited for, and copied: two full buffers, a blocking prefetch
@@ -26,6 +26,24 @@ names the mechanism test that catches it.
 """
 
 NUMERICAL_FAILURES: dict[str, list[str]] = {}  # exercise -> tests that check values and fail under its bypass
+
+# exercise -> the mechanism tests that must fail under its bypass, on an assertion (check.py --quick runs these)
+CAUGHT_BY: dict[str, list[str]] = {
+    "1.1": ["tests/test_ch01_ddp.py::test_all_reduce_by_parts_is_one_reduce_scatter_and_one_all_gather"],
+    "1.2": ["tests/test_ch01_ddp.py::test_bucket_all_reduces_are_asynchronous"],
+    "1.3": ["tests/test_ch01_ddp.py::test_averages_are_copied_into_the_gradients_autograd_made"],
+    "3.1": ["tests/test_ch03_oss.py::test_partition_is_greedy_largest_first"],
+    "3.2": ["tests/test_ch03_oss.py::test_each_owner_broadcasts_its_parameters_as_one_flat_tensor"],
+    "3.3": ["tests/test_ch03_flat.py::test_bytes_per_step_are_ddps_up_to_padding"],
+    "4.1": ["tests/test_ch04_sdp.py::test_a_bucket_sent_holds_no_gradient_on_any_rank"],
+    "4.2": ["tests/test_ch04_flat.py::test_bytes_per_step_are_ddps_up_to_padding",
+            "tests/test_ch04_flat.py::test_each_reduce_scatter_is_waited_for_only_once_the_next_bucket_is_computed"],
+    "5.1": ["tests/test_ch05_flat_param.py::test_a_rank_keeps_only_its_shard"],
+    "5.2": ["tests/test_ch05_flat_param.py::test_the_average_is_one_reduce_scatter"],
+    "5.3": ["tests/test_ch05_flat_param.py::test_unshard_is_one_async_all_gather_into_the_buffer"],
+    "6.1": ["tests/test_ch06_fsdp.py::test_each_reduce_scatter_travels_while_the_next_unit_computes"],
+    "6.2": ["tests/test_ch06_fsdp.py::test_backward_unshards_each_unit_just_before_its_own_compute"],
+}  # exercise -> tests that check values and fail under its bypass
 
 BYPASSES = {
     # A plain all-reduce: the right sum, but not built from its two halves.
@@ -109,7 +127,7 @@ if bucket.owner != self.rank:
     # the bytes, and backward stops for the network at every bucket.
     # Caught by test_ch04_flat.py::test_bytes_per_step_are_ddps_up_to_padding and
     # ::test_each_reduce_scatter_is_waited_for_only_once_the_next_bucket_is_computed.
-    "4.3": '''\
+    "4.2": '''\
 flat = layout.flat_grad(1.0 / self.world_size, self.reduce_dtype, release=True)
 handle = comm.all_reduce(flat, async_op=True, tag=f"bucket{self._next}", group=self.process_group)
 handle.wait()
