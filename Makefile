@@ -24,6 +24,7 @@ figures: diagrams ## regenerate every figure and table the chapters include
 	$(PY) -m minifsdp tour --world-size 2 --steps 5 --plot chapters/figures/tour_memory.svg --markdown chapters/generated/tour_ws2.md
 	$(PY) -m minifsdp.reports.models --markdown chapters/generated/models.md
 	$(PY) -m minifsdp.reports.exercises --markdown chapters/generated/exercises.md
+	$(PY) -m minifsdp.reports.grading --markdown chapters/generated/grading.md
 	$(PY) -m minifsdp memory --world-sizes 1 2 3 4 --bars peak --plot chapters/figures/ddp_memory.svg --markdown chapters/generated/ddp_memory.md
 	$(PY) -m minifsdp demo --world-size 3 > chapters/generated/demo_ws3.txt
 	$(PY) -m minifsdp memory --strategies ddp oss sdp --world-sizes 1 2 3 4 --plot chapters/figures/zero12_memory.svg --markdown chapters/generated/zero12_memory.md

@@ -205,6 +205,9 @@ TABLES_TOO_WIDE: dict[str, dict[int, set[str]]] = {
         390: {" | forward", "contender | dp bytes", "contender | layout", "path | backward", "rank | in flight",
               "schedule | order on rank r of p", "schedule | v", "t | TP", "t | elsewhere, TP"},
     },
+    "course": {
+        390: {"chapter | tests", "graded | wall time", "id | where"},
+    },
     "13_calculator": {
         390: {"per rank | GB (10⁹ B)"},
     },

@@ -44,7 +44,7 @@ CAUGHT_BY = {
     "9.1": ["tests/test_ch09_training.py::test_no_sync_sends_nothing_and_keeps_each_units_full_gradient"],
     "9.2": ["tests/test_ch09_training.py::test_clipping_sends_one_number"],
     "10.1": ["tests/test_ch10_flat_chunks.py::test_boxes_are_the_fewest_the_cut_needs"],
-    "10.2": ["tests/test_ch10_flat_chunks.py::test_sharded_pieces_are_views_into_the_shard_made_without_a_collective"],
+    "10.2": ["tests/test_ch10_fsdp_state_dicts.py::test_sharded_state_dict_is_views_into_the_shards_with_no_collective"],
     "11.1": ["tests/test_ch11_fully_shard.py::test_each_rank_holds_only_its_padded_rows"],
     "11.2": ["tests/test_ch11_fully_shard.py::test_backward_reduce_scatters_each_group_once"],
     "12.1": ["tests/test_ch12_tensor_parallel.py::test_f_and_g_sum_in_two_of_their_four_passes"],
