@@ -79,8 +79,8 @@ class Outcome:
 
 
 def _on_an_assertion(result: dict) -> bool:
-    return result["outcome"] == "failed" and "AssertionError" in (result["cause"] or "") or \
-        result["outcome"] == "failed" and (result["cause"] or "").startswith("assert ")
+    cause = result["cause"] or ""
+    return result["outcome"] == "failed" and ("AssertionError" in cause or cause.startswith("assert "))
 
 
 def _chosen(node: str, names: list[str]) -> bool:
