@@ -17,6 +17,18 @@ os.environ.setdefault("MPLBACKEND", "Agg")
 os.environ.setdefault("MINIFSDP_START_METHOD", "forkserver")
 
 
+def pytest_collection_finish(session):
+    """A test module may start slow work that needs nothing else from the run as soon as the run is
+    collected: its start_early(items), given the module's selected tests (test_course.py's checks)."""
+    modules = {}
+    for item in session.items:
+        module = getattr(item, "module", None)
+        if module is not None and hasattr(module, "start_early"):
+            modules.setdefault(module, []).append(item)
+    for module, items in modules.items():
+        module.start_early(items)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def pooled_ranks():
     """One pool of ranks for the whole run: a launch reuses the ranks of an earlier one of its shape, which

@@ -302,3 +302,24 @@ def test_a_script_that_launches_unguarded_is_told_to_guard_it(tmp_path):
     assert "launch() was called while a rank was importing the script" in out.stderr  # the rank's own error
     assert "died before it could run the work" in out.stderr  # and the launcher's, naming the cause
     assert 'if __name__ == "__main__":' in out.stderr.splitlines()[-1]
+
+
+def test_ranks_forked_after_the_caller_computed_in_parallel_do_not_hang():
+    # A notebook's function is forked into its ranks. Once the kernel has run a parallel op, its OpenMP
+    # threads exist in it alone: a forked rank that asked for more than one thread would wait on them
+    # forever (at N = 1 threads_per_rank gives a rank every core). The rank computes on one thread.
+    code = ("import torch\nfrom minifsdp import launch\n"
+            "a = torch.randn(1500, 1500); (a @ a).sum()  # the caller's OpenMP threads start here\n"
+            "def work():\n    x = torch.randn(1500, 1500)\n    return float((x @ x).sum()), torch.get_num_threads()\n"
+            "print(launch(work, world_size=1, device='cpu', timeout=30)[0][1])\n")
+    env = {**os.environ, "OMP_NUM_THREADS": "2"}  # a parallel parent, whatever this machine's cores
+    proc = subprocess.Popen([sys.executable, "-"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(code, timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the launcher and its hung rank
+        proc.communicate()
+        pytest.fail("the forked rank hung")
+    assert proc.returncode == 0, stderr[-2000:]
+    assert stdout.split() == ["1"]  # forked (defined in __main__, no file to import it from): one thread

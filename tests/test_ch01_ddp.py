@@ -28,6 +28,7 @@ from minifsdp import RankFailedError, all_reduce_by_parts, comm, launch
 from minifsdp.ddp import DistributedDataParallel
 from minifsdp.models import ToyModel
 from minifsdp.train import OPTIMIZER_SPECS, OPTIMIZERS, batch, build_model, loss_of, max_abs_diff, train
+from per_world_size import PerWorldSize
 
 WORLD_SIZES = (1, 2, 3, 4)
 MODELS = ("gpt", "toy")  # tiny GPT with tied embeddings; toy: odd shapes, tied, frozen, unused-in-some-steps
@@ -87,7 +88,7 @@ def chapter_cases():
 
 @pytest.fixture(scope="module")
 def ranks():
-    return {n: launch(chapter_cases, world_size=n, device="cpu") for n in WORLD_SIZES}
+    return PerWorldSize(lambda n: launch(chapter_cases, world_size=n, device="cpu"), WORLD_SIZES)
 
 
 @pytest.fixture(scope="module")

@@ -27,6 +27,7 @@ from minifsdp import MemoryMeter, comm, launch
 from minifsdp.models import count_params
 from minifsdp.train import OPTIMIZER_SPECS, batch, build_model, loss_of, max_abs_diff
 from minifsdp.zero.flat import ALIGN_BYTES, FlatOSS
+from per_world_size import PerWorldSize
 
 WORLD_SIZES = (1, 2, 3, 4)
 ATOL = {1: 0.0, 2: 0.0, 3: 1e-6, 4: 1e-6}  # see the module docstring
@@ -141,7 +142,7 @@ def chapter_cases():
 
 @pytest.fixture(scope="module")
 def ranks():
-    return {n: launch(chapter_cases, world_size=n, device="cpu") for n in WORLD_SIZES}
+    return PerWorldSize(lambda n: launch(chapter_cases, world_size=n, device="cpu"), WORLD_SIZES)
 
 
 # -- parity with torch's DDP -----------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from minifsdp.models import TinyGPT
 from minifsdp.reports.tour import TOUR_MODEL
 from minifsdp.train import OPTIMIZER_SPECS, batch, build_model, loss_of, max_abs_diff, train
 from minifsdp.zero.oss import imbalance, partition_by_order, partition_parameters
+from per_world_size import PerWorldSize
 
 WORLD_SIZES = (1, 2, 3, 4)
 MODELS = ("gpt", "toy")
@@ -175,7 +176,7 @@ def chapter_cases():
 
 @pytest.fixture(scope="module")
 def ranks():
-    return {n: launch(chapter_cases, world_size=n, device="cpu") for n in WORLD_SIZES}
+    return PerWorldSize(lambda n: launch(chapter_cases, world_size=n, device="cpu"), WORLD_SIZES)
 
 
 @pytest.mark.exercise("3.1", "3.2")

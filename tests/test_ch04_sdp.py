@@ -17,6 +17,7 @@ import torch.distributed as dist
 from minifsdp import OSS, RankFailedError, ShardedDataParallel, analytic, comm, launch
 from minifsdp.models import ToyModel
 from minifsdp.train import OPTIMIZER_SPECS, batch, build_model, loss_of, max_abs_diff, train
+from per_world_size import PerWorldSize
 
 WORLD_SIZES = (1, 2, 3, 4)
 MODELS = ("gpt", "toy")
@@ -145,7 +146,7 @@ def chapter_cases():
 
 @pytest.fixture(scope="module")
 def ranks():
-    return {n: launch(chapter_cases, world_size=n, device="cpu") for n in WORLD_SIZES}
+    return PerWorldSize(lambda n: launch(chapter_cases, world_size=n, device="cpu"), WORLD_SIZES)
 
 
 @pytest.mark.exercise("4.1")

@@ -7,6 +7,7 @@ import torch.nn as nn
 
 from minifsdp import MemoryMeter, comm, launch
 from minifsdp.fsdp.flat_param import FlatParameter, ShardState
+from per_world_size import PerWorldSize
 
 WORLD_SIZES = (1, 2, 3, 4)
 
@@ -76,7 +77,7 @@ def flat_cases():
 
 @pytest.fixture(scope="module")
 def ranks():
-    return {n: launch(flat_cases, world_size=n, device="cpu") for n in WORLD_SIZES}
+    return PerWorldSize(lambda n: launch(flat_cases, world_size=n, device="cpu"), WORLD_SIZES)
 
 
 @pytest.mark.exercise("5.1")

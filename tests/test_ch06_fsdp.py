@@ -24,6 +24,7 @@ from minifsdp.fsdp import FullyShardedDataParallel as FSDP
 from minifsdp.fsdp import ModuleWrapPolicy, SizeBasedWrapPolicy
 from minifsdp.models import Block, TinyGPT
 from minifsdp.train import OPTIMIZERS, batch, build_model, loss_of, max_abs_diff
+from per_world_size import PerWorldSize
 
 WORLD_SIZES = (1, 2, 3, 4)
 ATOL = {1: 0.0, 2: 0.0, 3: 1e-6, 4: 1e-6}
@@ -181,7 +182,7 @@ def chapter_cases():
 
 @pytest.fixture(scope="module")
 def ranks():
-    return {n: launch(chapter_cases, world_size=n, device="cpu") for n in WORLD_SIZES}
+    return PerWorldSize(lambda n: launch(chapter_cases, world_size=n, device="cpu"), WORLD_SIZES)
 
 
 @pytest.mark.exercise("6.1", "6.2")

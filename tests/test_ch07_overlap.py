@@ -28,6 +28,7 @@ from minifsdp.measure.timeline import Span, Timeline, hidden_fraction, lane_time
 from minifsdp.models import Block, GPTConfig
 from minifsdp.reports.overlap import MODES, build, expected_full_units, full_buffers, measure_prefetch_memory, step
 from minifsdp.train import OPTIMIZERS, batch, loss_of
+from per_world_size import PerWorldSize
 
 WORLD_SIZES = (1, 2, 3, 4)
 TINY = GPTConfig()  # 2 blocks: a root and two units
@@ -192,7 +193,7 @@ def throttled_overlap():
 
 @pytest.fixture(scope="module")
 def ranks():
-    return {n: launch(chapter_cases, world_size=n, device="cpu") for n in WORLD_SIZES}
+    return PerWorldSize(lambda n: launch(chapter_cases, world_size=n, device="cpu"), WORLD_SIZES)
 
 
 # -- values: prefetching never changes one -----------------------------------------------------------------

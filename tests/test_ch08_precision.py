@@ -39,6 +39,7 @@ from minifsdp.fsdp import ModuleWrapPolicy
 from minifsdp.mixed_precision import CPUOffload, MixedPrecision, ShardedGradScaler
 from minifsdp.models import Block, TinyGPT
 from minifsdp.train import OPTIMIZER_SPECS, batch, loss_of, max_abs_diff, train
+from per_world_size import PerWorldSize
 
 WORLD_SIZES = (1, 2, 3, 4)
 STEPS = 2
@@ -166,12 +167,12 @@ def chapter_cases():
 
 @pytest.fixture(scope="module")
 def ranks():
-    return {n: launch(chapter_cases, world_size=n, device="cpu") for n in WORLD_SIZES}
+    return PerWorldSize(lambda n: launch(chapter_cases, world_size=n, device="cpu"), WORLD_SIZES)
 
 
 @pytest.fixture(scope="module")
 def reference():
-    return {n: launch(emulated_cases, world_size=1, args=(n,), device="cpu")[0] for n in WORLD_SIZES}
+    return PerWorldSize(lambda n: launch(emulated_cases, world_size=1, args=(n,), device="cpu")[0], WORLD_SIZES)
 
 
 # -- parity ---------------------------------------------------------------------------------------------------

@@ -40,6 +40,7 @@ from minifsdp.models import Block, GPTConfig, TinyGPT, init_weights
 from minifsdp.reports.options import CONFIG, checkpointing
 from minifsdp.state_dict import get_full_state_dict
 from minifsdp.train import OPTIMIZERS, STRATEGIES, batch, build_model, loss_of, max_abs_diff
+from per_world_size import PerWorldSize
 
 WORLD_SIZES = (1, 2, 3, 4)
 MICRO, STEPS = 3, 2
@@ -240,7 +241,7 @@ def chapter_cases():
 
 @pytest.fixture(scope="module")
 def ranks():
-    return {n: launch(chapter_cases, world_size=n, device="cpu") for n in WORLD_SIZES}
+    return PerWorldSize(lambda n: launch(chapter_cases, world_size=n, device="cpu"), WORLD_SIZES)
 
 
 @pytest.mark.exercise("9.1")

@@ -66,6 +66,7 @@ from torch import nn
 from minifsdp import comm, launch
 from minifsdp.models import GPTConfig, TinyGPT
 from minifsdp.train import OPTIMIZERS, batch, build_model, loss_of, max_abs_diff
+from per_world_size import PerWorldSize
 
 WORLD_SIZES = (1, 2, 3, 4)
 STEPS = 3
@@ -502,7 +503,7 @@ def rank_cases():
 
 @pytest.fixture(scope="module")
 def ranks():
-    return {n: launch(rank_cases, world_size=n, device="cpu") for n in WORLD_SIZES}
+    return PerWorldSize(lambda n: launch(rank_cases, world_size=n, device="cpu"), WORLD_SIZES)
 
 
 def each_rank(ranks, n, key):

@@ -84,6 +84,7 @@ from minifsdp.parallel.mappings import copy_to_tensor_model_parallel_region, red
 from minifsdp.parallel.tp_gpt import ParallelBlock
 from minifsdp.reports.parallel import is_sp_region, saved_for_backward
 from minifsdp.train import OPTIMIZERS, max_abs_diff
+from per_world_size import PerWorldSize
 
 WORLD_SIZES = (1, 2, 4)
 CONFIG = GPTConfig(n_head=4, n_embd=32, vocab_size=96, n_layer=2, block_size=16)
@@ -439,7 +440,7 @@ def rank_cases():
 
 @pytest.fixture(scope="module")
 def ranks():
-    return {t: launch(rank_cases, world_size=t, device="cpu") for t in WORLD_SIZES}
+    return PerWorldSize(lambda t: launch(rank_cases, world_size=t, device="cpu"), WORLD_SIZES)
 
 
 def each_rank(ranks, t, key):

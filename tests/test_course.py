@@ -20,6 +20,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -34,6 +35,8 @@ from minifsdp.course.assemble import assemble, scan_regions
 from minifsdp.course.grade import (chapter_test_files, collect_reference, grade_all, grade_submission, plugin_dir,
                                    run_pytest)
 from minifsdp.course.report import gradescope_results
+
+from early import Early
 
 REPO = Path(__file__).resolve().parents[1]
 REMOVAL_TIMEOUT = 300  # seconds for one chapter's tests with one exercise removed
@@ -844,17 +847,17 @@ BYPASS = _instructor_bypasses()
 BYPASSES, CAUGHT_BY, NUMERICAL_FAILURES = BYPASS.load() if BYPASS else ({}, {}, {})
 
 
-@pytest.fixture(scope="module")
-def removals(tmp_path_factory, plugins):
+def course_checks() -> dict:
     """The real tests' exercise marks, every removal check, every bypass, and the chapter graded alone,
     two at a time. Each removal or bypass is a pytest run of a few seconds, most of which would be a fresh
     interpreter importing torch: they run as children of two warm interpreters that imported it once
     (course/warm.py). The chapter graded alone, the longest, starts first, while the marks are collected."""
     from minifsdp.course.warm import WarmPool
 
-    tmp = tmp_path_factory.mktemp("removals")
     exercises = {ex.id: ex for ex in EXERCISES}
-    with bare_pytest(), ThreadPoolExecutor(max_workers=2) as pool, WarmPool(2) as warm:
+    with bare_pytest(), plugin_dir() as plugins, tempfile.TemporaryDirectory(prefix="minifsdp-checks-") as tmp, \
+            ThreadPoolExecutor(max_workers=2) as pool, WarmPool(2) as warm:
+        tmp = Path(tmp)
         alone = pool.submit(_graded_alone, tmp, plugins)
         reference = collect_reference(REPO, None, plugins, REMOVAL_TIMEOUT)
         futures = {ex.id: pool.submit(_remove_and_run, ex, tmp, reference, plugins, warm) for ex in EXERCISES}
@@ -865,6 +868,20 @@ def removals(tmp_path_factory, plugins):
         results["bypass"] = {k: f.result() for k, f in bypassed.items()}
         results["alone"], results["reference"] = alone.result(), reference
         return results
+
+
+# Two minutes of both cores that need nothing else from the run: started once it is collected (tests/early.py).
+CHECKS = Early("test_course", "course_checks")
+
+
+def start_early(items) -> None:
+    if any("removals" in getattr(item, "fixturenames", ()) for item in items):
+        CHECKS.start()
+
+
+@pytest.fixture(scope="module")
+def removals():
+    return CHECKS.result()
 
 
 @pytest.mark.timeout(len(EXERCISES) * REMOVAL_TIMEOUT + 60)
@@ -955,24 +972,34 @@ def test_each_bypass_fails_the_mechanism_tests_that_name_it(exercise, removals):
 
 def test_a_warm_run_imports_the_copys_package_and_stops_at_its_time_limit(tmp_path, plugins, bare):
     """A child of the warm interpreter is the `python -m pytest` it stands for: the package comes from the
-    directory it runs in (not from the running one's), and a hung run is stopped, its processes too."""
+    directory it runs in (not from the running one's), in the run and in the ranks it forks from the shared
+    fork server; and a hung run is stopped, its processes too."""
     from minifsdp.course.warm import WarmPython
 
     project = _project(tmp_path / "p", {
         "minifsdp/__init__.py": "WHERE = 'the copy'\n",
         "tests/test_a.py": textwrap.dedent('''\
-            import os, subprocess, sys, time
+            import multiprocessing, os, subprocess, sys, time
             import minifsdp
+
+            def where():
+                import minifsdp
+                return minifsdp.WHERE, os.getppid()
 
             def test_the_copy():
                 assert minifsdp.WHERE == "the copy"
+                with multiprocessing.get_context("forkserver").Pool(1) as pool:
+                    copy, server = pool.apply(where)
+                assert copy == "the copy"
+                # the rank's parent is the warm interpreter's fork server, not one this run started
+                assert int(open(f"/proc/{server}/stat").read().rsplit(")", 1)[1].split()[1]) != os.getpid()
 
             def test_hangs():
                 child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
                 open("child.pid", "w").write(str(child.pid))
                 time.sleep(600)
             ''')})
-    with WarmPython(preload=("pytest",)) as warm:
+    with WarmPython(preload=("pytest",), fork_server=("json",)) as warm:  # a fork server that imports little
         run = run_pytest(project, ["tests/test_a.py::test_the_copy"], plugins, 60, warm=warm)
         assert run.returncode == 0 and run.report["results"]["tests/test_a.py::test_the_copy"]["outcome"] == "passed"
         run = run_pytest(project, ["tests/test_a.py::test_hangs"], plugins, 3, warm=warm)

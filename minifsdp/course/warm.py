@@ -1,11 +1,13 @@
 """Many short pytest runs without importing torch for each: a warm interpreter that forks one child per run.
 
-Most of a short pytest run is the interpreter importing torch (about 2 CPU seconds of the 3 that a run of
-one small test costs). A server process imports torch and pytest once -- nothing of any project, so every
-child still imports the package from the copy it runs in -- and forks a child per run. The child becomes
-what `python -m pytest ARGS` started in that directory with that environment would be: its working
-directory, its environment, the sys.path such an interpreter would build from PYTHONPATH, its own session
-(so a time limit stops it and the rank processes it started together), its output in a file.
+Most of a short pytest run that launches ranks is importing torch twice: once in the pytest process, once
+in the fork server its ranks come from (launch.py's forkserver start method), more than three seconds of
+the four or five such a run takes. A server process imports torch and pytest once -- nothing of any
+project, so every child still imports the package from the copy it runs in -- starts one fork server for
+all the runs' ranks, and forks a child per run. The child becomes what `python -m pytest ARGS` started in
+that directory with that environment would be: its working directory, its environment, the sys.path such
+an interpreter would build from PYTHONPATH, its own session (so a time limit stops it and the processes
+it started together), its output in a file.
 
     with WarmPython() as warm:
         returncode, output, timed_out = warm.run(project, ["-q", "tests/test_x.py"], env, timeout=300)
@@ -29,11 +31,25 @@ from typing import Sequence
 
 # The server: import once, then for each job (one JSON line on stdin) fork a child that runs pytest, and
 # answer with two lines: the child's pid at once, its exit code when it ends.
+#
+# It also starts, once, the fork server that the children's ranks are forked from (launch.py's forkserver
+# start method), with torch imported and nothing of any project. Each run would otherwise start its own, and
+# that server's `import torch` is most of a short run: more than three seconds, all before its first rank.
+# A rank still imports the package from the copy its run is in: multiprocessing hands every new process its
+# parent's sys.path and working directory. Two differences from a fork server of the run's own: the ranks
+# start with the server's environment (launch sets what a rank needs itself), and a run stopped at its time
+# limit leaves its ranks to end on their own (their pipes close, their collectives time out).
 _SERVER = r"""
 import json, os, sys, traceback
-for name in sys.argv[1:]:
+preload, shared = json.loads(sys.argv[1])
+for name in preload:
     __import__(name)
 base = [p for p in sys.path if p]  # what a fresh interpreter puts after PYTHONPATH's entries
+if shared:
+    import multiprocessing.forkserver as forkserver
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # what launch starts its ranks with
+    forkserver.set_forkserver_preload(shared)
+    forkserver.ensure_running()
 for line in sys.stdin:
     job = json.loads(line)
     out = os.open(job["output"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -49,6 +65,8 @@ for line in sys.stdin:
             extra = [p for p in job["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
             sys.path[:] = [job["cwd"], *extra, *base]
             sys.argv = ["pytest", *job["args"]]
+            if shared:  # the server is the parent's child: ensure_running() here would waitpid() on it and fail
+                forkserver._forkserver.ensure_running = lambda: None
             import pytest
             code = int(pytest.main(job["args"]))
         except SystemExit as e:
@@ -67,16 +85,21 @@ for line in sys.stdin:
 """
 
 PRELOAD = ("torch", "torch.distributed", "pytest")
+FORK_SERVER = ("torch", "torch.distributed", "torch._dynamo")  # launch's preload, but the project's package
 
 
 class WarmPython:
-    """One warm server; `run` may be called from one thread at a time (use one per worker thread)."""
+    """One warm server; `run` may be called from one thread at a time (use one per worker thread).
+    `fork_server`: what the shared fork server imports (empty: none is shared, each run starts its own)."""
 
-    def __init__(self, preload: Sequence[str] = PRELOAD):
+    def __init__(self, preload: Sequence[str] = PRELOAD, fork_server: Sequence[str] = FORK_SERVER):
         env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # the jobs bring their own
         env["PYTHONNOUSERSITE"] = "1"
+        # The ranks' semaphores outlive the runs that made them (a rank leaves by os._exit): not a leak to report.
+        env["PYTHONWARNINGS"] = "ignore:resource_tracker:UserWarning"
         self._dir = tempfile.TemporaryDirectory(prefix="minifsdp-warm-")
-        self._proc = subprocess.Popen([sys.executable, "-c", _SERVER, *preload], cwd=self._dir.name, env=env,
+        self._proc = subprocess.Popen([sys.executable, "-c", _SERVER, json.dumps([list(preload), list(fork_server)])],
+                                      cwd=self._dir.name, env=env,
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                       start_new_session=True)
         self._lines: queue.Queue[str] = queue.Queue()
@@ -133,8 +156,8 @@ class WarmPython:
 class WarmPool:
     """`size` warm interpreters for as many threads: each run borrows one that is free."""
 
-    def __init__(self, size: int = 2, preload: Sequence[str] = PRELOAD):
-        self._all = [WarmPython(preload) for _ in range(size)]
+    def __init__(self, size: int = 2, preload: Sequence[str] = PRELOAD, fork_server: Sequence[str] = FORK_SERVER):
+        self._all = [WarmPython(preload, fork_server) for _ in range(size)]
         self._free: queue.Queue[WarmPython] = queue.Queue()
         for warm in self._all:
             self._free.put(warm)

@@ -96,12 +96,13 @@ def threads_per_rank(world_size: int) -> int:
 
 
 def init_process_group(rank: int, world_size: int, device: str, timeout: float = DEFAULT_TIMEOUT,
-                       init_method: str = "env://") -> None:
-    """Join the group: gloo for the CPU, NCCL for GPUs (one per rank), with a timeout on every collective."""
+                       init_method: str = "env://", threads: int | None = None) -> None:
+    """Join the group: gloo for the CPU, NCCL for GPUs (one per rank), with a timeout on every collective.
+    `threads`: the rank's CPU threads (threads_per_rank's share of the cores by default)."""
     if device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     else:
-        torch.set_num_threads(threads_per_rank(world_size))
+        torch.set_num_threads(threads or threads_per_rank(world_size))
     dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=init_method, rank=rank,
                             world_size=world_size, timeout=datetime.timedelta(seconds=timeout))
 
@@ -186,12 +187,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank, world_size, device, port, payload, timeout, out_dir, failed_rank):
+def _rank_main(rank, world_size, device, port, payload, timeout, out_dir, failed_rank, threads=None):
     """Body of one spawned process: join the group, run the work, leave a result (or a traceback) behind."""
     _become_rank(rank, world_size, port, failed_rank)
     _attach_stderr(out_dir, rank)
     open(os.path.join(out_dir, f"rank{rank}.started"), "wb").close()  # past the import of the caller's script
-    _run_work(rank, payload, out_dir, failed_rank, lambda: init_process_group(rank, world_size, device, timeout))
+    _run_work(rank, payload, out_dir, failed_rank,
+              lambda: init_process_group(rank, world_size, device, timeout, threads=threads))
     # Leave together, and without tearing the group down: past the barrier no rank has a collective in
     # flight, and gloo's teardown can abort a process whose peers are exiting at the same moment.
     try:
@@ -332,8 +334,11 @@ def _spawn(work, world_size, args, kwargs, device, timeout):
             return _run_pooled(ctx, (method, world_size, device, timeout), payload, out_dir)
         failed_rank = ctx.Value("i", -1)
         port = _free_port()
+        # A forked rank computes on one thread: the caller's OpenMP threads, if it has run a parallel op,
+        # are not copied by fork, and a child that asks the OpenMP pool for more than one waits on them forever.
+        threads = 1 if method == "fork" else None
         procs = [ctx.Process(target=_rank_main, daemon=True, name=f"minifsdp-rank{r}",
-                             args=(r, world_size, device, port, payload, timeout, out_dir, failed_rank))
+                             args=(r, world_size, device, port, payload, timeout, out_dir, failed_rank, threads))
                  for r in range(world_size)]
         with _rank_environment():
             for p in procs:
