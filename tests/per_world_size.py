@@ -21,12 +21,14 @@ class PerWorldSize(Mapping):
             raise KeyError(n)
         if n not in self._done:
             try:
-                self._done[n] = (True, self._make(n))
+                self._done[n] = (True, self._make(n), None)
             except Exception as e:  # noqa: BLE001 -- kept, to be raised again for the next test that asks
-                self._done[n] = (False, e)
-        ok, value = self._done[n]
+                self._done[n] = (False, e, e.__traceback__)
+        ok, value, traceback = self._done[n]
         if not ok:
-            raise value
+            # From its first traceback each time: raised as it is, the exception would collect every earlier
+            # test's frames, and a report of hundreds of failures would take minutes to write.
+            raise value.with_traceback(traceback)
         return value
 
     def __iter__(self):
