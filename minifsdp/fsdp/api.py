@@ -171,37 +171,50 @@ class static_or_bound:
 
 # --8<-- [start:summon]
 @contextlib.contextmanager
-def summon_full_params(module: nn.Module, recurse: bool = True, writeback: bool = True, rank0_only: bool = False,
+def summon_full_params(module: nn.Module, recurse: bool = True,
+                       writeback: bool = True, rank0_only: bool = False,
                        offload_to_cpu: bool = False, with_grads: bool = False):
-    """Inside the block every original parameter under `module` holds its full value (the fp32 masters under
-    mixed precision); with writeback, changes made to them are kept (each rank copies its slice back).
+    """Inside the block every original parameter under `module` holds its full
+    value (the fp32 masters under mixed precision); with writeback, changes
+    made to them are kept (each rank copies its slice back).
 
-    As in PyTorch, the originals are registered nn.Parameters inside the block, and the flat parameters are
-    not: model.named_parameters() gives the names the model had before wrapping, with the full values. (List
-    them, do not build an optimizer over them: they are gone when the block ends.) No forward or backward
-    inside the block.
+    As in PyTorch, the originals are registered nn.Parameters inside the
+    block, and the flat parameters are not: model.named_parameters() gives the
+    names the model had before wrapping, with the full values. (List them, do
+    not build an optimizer over them: they are gone when the block ends.) No
+    forward or backward inside the block.
 
-    recurse=False: only the outermost units' own parameters. rank0_only: every rank takes part in the
-    all-gathers, but only rank 0 keeps the full values (the others are back to their shards inside the
-    block, and list their flat parameters). offload_to_cpu: the originals show host copies (the device buffers
-    stay allocated inside the block: a write-back copies them in). with_grads: the gradients are all-gathered
-    too, into each original's .grad."""
+    recurse=False: only the outermost units' own parameters. rank0_only: every
+    rank takes part in the all-gathers, but only rank 0 keeps the full values
+    (the others are back to their shards inside the block, and list their flat
+    parameters). offload_to_cpu: the originals show host copies (the device
+    buffers stay allocated inside the block: a write-back copies them in).
+    with_grads: the gradients are all-gathered too, into each original's
+    .grad."""
     if rank0_only and writeback:
-        raise ValueError("summon_full_params(rank0_only=True, writeback=True): the other ranks would have "
-                         "nothing to write back; pass writeback=False")
+        raise ValueError("summon_full_params(rank0_only=True, writeback=True): "
+                         "the other ranks would have nothing to write back; "
+                         "pass writeback=False")
     roots = fsdp_modules(module, root_only=True)
-    # a unit an enclosing block holds already is left to that block, as PyTorch leaves it
-    units = [u for root in roots for u in (root.units() if recurse else [root]) if not u._summoned]
+    # a unit an enclosing block holds already is left to that block, as
+    # PyTorch leaves it
+    units = [u for root in roots
+             for u in (root.units() if recurse else [root])
+             if not u._summoned]
     flats = [flat for unit in units for flat in unit.flat_params]
     keep = not rank0_only or comm.rank() == 0
     for root in roots:
-        sync_all_gathers(root.device)  # the shards may have just been written (a step, a load)
+        # the shards may have just been written (a step, a load)
+        sync_all_gathers(root.device)
     with torch.no_grad(), contextlib.ExitStack() as stack:
         for flat in flats:
-            stack.enter_context(flat.full_precision())  # the fp32 masters, not their bf16 cast
+            # the fp32 masters, not their bf16 cast
+            stack.enter_context(flat.full_precision())
             flat.unshard()
         grads = [_all_gather_grad(flat) for flat in flats] if with_grads else []
-        copies = [_show_copies(flat, offload_to_cpu, grads[i] if with_grads else None) if keep else None
+        copies = [_show_copies(flat, offload_to_cpu,
+                               grads[i] if with_grads else None)
+                  if keep else None
                   for i, flat in enumerate(flats)]
         if keep:
             _register_originals(units, originals=True)
@@ -215,11 +228,14 @@ def summon_full_params(module: nn.Module, recurse: bool = True, writeback: bool 
         finally:
             for unit in units:
                 unit._summoned = False
-            if keep:  # before the reshard: a plain tensor cannot be assigned to a registered parameter's name
+            # before the reshard: a plain tensor cannot be assigned to a
+            # registered parameter's name
+            if keep:
                 _register_originals(units, originals=False)
             for flat, shown in zip(flats, copies):
                 if writeback and offload_to_cpu and shown:
-                    for view, copy in shown:  # an offloaded copy goes back into the full buffer first
+                    # an offloaded copy goes back into the full buffer first
+                    for view, copy in shown:
                         view.copy_(copy)
                 if writeback:
                     flat.write_back_shard()
@@ -362,32 +378,43 @@ def load_state_dict(unit, state_dict_: dict, strict: bool = True):
 # -- an optimizer built before wrapping -----------------------------------------------------------------------------
 # --8<-- [start:refuse_stale]
 def refuse_stale_optimizers(unit) -> None:
-    """An optimizer built before wrapping holds the original parameters, which now hold nothing: it would
-    step nothing, silently. Asked once, at the root's first forward: is any original still held in an
-    optimizer's param_groups? (A look at what refers to them -- no cost to any optimizer's step.)"""
-    originals = [p for u in unit.units() for flat in u.flat_params for ref in flat._originals
+    """An optimizer built before wrapping holds the original parameters, which
+    now hold nothing: it would step nothing, silently. Asked once, at the
+    root's first forward: is any original still held in an optimizer's
+    param_groups? (A look at what refers to them -- no cost to any optimizer's
+    step.)"""
+    originals = [p for u in unit.units() for flat in u.flat_params
+                 for ref in flat._originals
                  if (p := ref()) is not None]
     if not originals:
         return
     holders = [r for r in gc.get_referrers(*originals) if isinstance(r, list)]
-    groups = [g for g in gc.get_referrers(*holders) if isinstance(g, dict) and any(g.get("params") is h
-                                                                                       for h in holders)]
+    groups = [g for g in gc.get_referrers(*holders)
+              if isinstance(g, dict)
+              and any(g.get("params") is h for h in holders)]
     if groups:
-        raise RuntimeError("an optimizer holds parameters that FullyShardedDataParallel has since flattened "
-                           "into its shards, so it would train nothing: build the optimizer after wrapping, "
-                           "over the wrapped model's parameters()")
+        raise RuntimeError("an optimizer holds parameters that "
+                           "FullyShardedDataParallel has since flattened into "
+                           "its shards, so it would train nothing: build the "
+                           "optimizer after wrapping, over the wrapped model's "
+                           "parameters()")
 # --8<-- [end:refuse_stale]
 
 
 # --8<-- [start:refuse_moved]
 def refuse_moved_offloaded_shards(unit) -> None:
-    """At every root forward: an offloaded shard must still be in host memory (model.cuda() moves it)."""
+    """At every root forward: an offloaded shard must still be in host memory
+    (model.cuda() moves it)."""
     for u in unit.units():
         for i, flat in enumerate(u.flat_params):
-            held = u._parameters[f"flat_param_{i}"]  # what module.to() moved (or replaced)
+            # what module.to() moved (or replaced)
+            held = u._parameters[f"flat_param_{i}"]
             if flat.offload and held.device.type != "cpu":
-                raise RuntimeError(f"cpu_offload keeps the sharded parameters in host memory, where the optimizer "
-                                   f"steps them, but unit {u.unit_name!r} holds its shard on {held.device}: the "
-                                   f"model was moved after wrapping. Do not move an offloaded model (FSDP brings "
-                                   f"each unit to the device itself)")
+                raise RuntimeError(
+                    f"cpu_offload keeps the sharded parameters in host "
+                    f"memory, where the optimizer steps them, but unit "
+                    f"{u.unit_name!r} holds its shard on {held.device}: the "
+                    f"model was moved after wrapping. Do not move an "
+                    f"offloaded model (FSDP brings each unit to the device "
+                    f"itself)")
 # --8<-- [end:refuse_moved]

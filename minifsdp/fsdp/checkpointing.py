@@ -26,9 +26,12 @@ from torch.utils.checkpoint import checkpoint
 
 
 # --8<-- [start:checkpoint_module]
-def checkpoint_module(module: nn.Module, use_reentrant: bool = False) -> nn.Module:
-    """Make `module`'s forward checkpointed, in place (no wrapper module: parameter names do not change)."""
+def checkpoint_module(module: nn.Module,
+                      use_reentrant: bool = False) -> nn.Module:
+    """Make `module`'s forward checkpointed, in place (no wrapper module:
+    parameter names do not change)."""
     forward = module.forward
-    module.forward = functools.partial(checkpoint, forward, use_reentrant=use_reentrant)
+    module.forward = functools.partial(checkpoint, forward,
+                                       use_reentrant=use_reentrant)
     return module
 # --8<-- [end:checkpoint_module]

@@ -94,106 +94,156 @@ class FullyShardedDataParallel(nn.Module):
     _fsdp_unit = True  # the walks of wrap.py stop here: this module's subtree is this unit's
 
     # --8<-- [start:init]
-    def __init__(self, module: nn.Module, process_group=None, sharding_strategy=None,
-                 cpu_offload: CPUOffload | None = None, auto_wrap_policy=None,
-                 backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE,
-                 mixed_precision: MixedPrecision | None = None, ignored_modules=None, param_init_fn=None,
-                 device_id: torch.device | int | None = None, sync_module_states: bool = True,
-                 forward_prefetch: bool = False, limit_all_gathers: bool = True, use_orig_params: bool = False,
-                 ignored_states=None, device_mesh=None, *, reshard_after_forward: bool | None = None):
+    def __init__(
+        self, module: nn.Module, process_group=None, sharding_strategy=None,
+        cpu_offload: CPUOffload | None = None, auto_wrap_policy=None,
+        backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE,
+        mixed_precision: MixedPrecision | None = None, ignored_modules=None,
+        param_init_fn=None, device_id: torch.device | int | None = None,
+        sync_module_states: bool = True, forward_prefetch: bool = False,
+        limit_all_gathers: bool = True, use_orig_params: bool = False,
+        ignored_states=None, device_mesh=None, *,
+        reshard_after_forward: bool | None = None,
+    ):
         super().__init__()
-        backward_prefetch = api.by_name(backward_prefetch, BackwardPrefetch, "backward_prefetch")
-        require_policy(mixed_precision)  # (FairScale's mixed_precision=True is named)
-        shard, reshard_after_forward = api.resolve_sharding(sharding_strategy, reshard_after_forward)
-        api.resolve_group(None, None, use_orig_params, ignored_states)  # (refuses what minifsdp lacks)
-        if api.is_hybrid(sharding_strategy):  # chapter 11: shard within a group, replicate across groups
-            process_group, self.replicate_group = api.resolve_hybrid(process_group, device_mesh)
+        backward_prefetch = api.by_name(backward_prefetch, BackwardPrefetch,
+                                        "backward_prefetch")
+        # (FairScale's mixed_precision=True is named)
+        require_policy(mixed_precision)
+        shard, reshard_after_forward = api.resolve_sharding(
+            sharding_strategy, reshard_after_forward)
+        # (refuses what minifsdp lacks)
+        api.resolve_group(None, None, use_orig_params, ignored_states)
+        # chapter 11: shard within a group, replicate across groups
+        if api.is_hybrid(sharding_strategy):
+            process_group, self.replicate_group = api.resolve_hybrid(
+                process_group, device_mesh)
         else:
-            process_group = api.resolve_group(process_group, device_mesh, use_orig_params, ignored_states)
+            process_group = api.resolve_group(process_group, device_mesh,
+                                              use_orig_params, ignored_states)
             self.replicate_group = None
         comm.require_process_group()
-        require_module(module, "FullyShardedDataParallel")  # (units nested inside are allowed, unlike DDP)
-        if isinstance(module, FullyShardedDataParallel) or getattr(module, "_fsdp_wrapped", False):
-            raise ValueError(f"{type(module).__name__} is already wrapped in FullyShardedDataParallel; "
-                             "wrap each module once (nested units come from auto_wrap_policy)")
+        # (units nested inside are allowed, unlike DDP)
+        require_module(module, "FullyShardedDataParallel")
+        if (isinstance(module, FullyShardedDataParallel)
+                or getattr(module, "_fsdp_wrapped", False)):
+            raise ValueError(f"{type(module).__name__} is already wrapped in "
+                             "FullyShardedDataParallel; wrap each module once "
+                             "(nested units come from auto_wrap_policy)")
         if auto_wrap_policy is not None and not callable(auto_wrap_policy):
             hint = (f" (for classes, ModuleWrapPolicy({auto_wrap_policy!r}))"
                     if isinstance(auto_wrap_policy, (set, list, tuple)) else "")
-            raise TypeError(f"auto_wrap_policy must be a policy such as ModuleWrapPolicy({{Block}}) or "
-                            f"SizeBasedWrapPolicy(min_num_params=...), got {auto_wrap_policy!r}{hint}")
-        auto_wrap_policy = auto_wrap_policy and as_policy(auto_wrap_policy)  # PyTorch's policies work too
+            raise TypeError(f"auto_wrap_policy must be a policy such as "
+                            f"ModuleWrapPolicy({{Block}}) or "
+                            f"SizeBasedWrapPolicy(min_num_params=...), got "
+                            f"{auto_wrap_policy!r}{hint}")
+        # PyTorch's policies work too
+        auto_wrap_policy = auto_wrap_policy and as_policy(auto_wrap_policy)
         module._fsdp_wrapped = True
-        for ignored in ignored_modules or ():  # the walks of wrap.py step around these
+        # the walks of wrap.py step around these
+        for ignored in ignored_modules or ():
             require_module(ignored, "ignored_modules")
             ignored._fsdp_ignored = True
         self.process_group, self.shard = process_group, shard
         self.reshard_after_forward = reshard_after_forward
         self._summoned = False  # inside summon_full_params (api.py)
-        self._state_dict_type, self._state_dict_config = api.StateDictType.FULL_STATE_DICT, api.FullStateDictConfig()
-        self.backward_prefetch, self.forward_prefetch = backward_prefetch, forward_prefetch
-        deferred = any(t.is_meta for t in list(module.parameters()) + list(module.buffers()))
-        if sync_module_states:  # every rank starts from rank 0's weights and buffers, as under DDP --
-            # before anything is sharded (afterwards each rank's shard is its own, not rank 0's: so only
-            # what no unit wrapped by hand already owns)
+        self._state_dict_type, self._state_dict_config = (
+            api.StateDictType.FULL_STATE_DICT, api.FullStateDictConfig())
+        self.backward_prefetch, self.forward_prefetch = (
+            backward_prefetch, forward_prefetch)
+        deferred = any(t.is_meta for t in
+                       list(module.parameters()) + list(module.buffers()))
+        if sync_module_states:
+            # every rank starts from rank 0's weights and buffers, as under
+            # DDP -- before anything is sharded (afterwards each rank's shard
+            # is its own, not rank 0's: so only what no unit wrapped by hand
+            # already owns)
             comm.sync_from_rank0(unowned_named_tensors(module), process_group)
             if self.replicate_group is not None:
-                comm.sync_from_rank0(unowned_named_tensors(module), self.replicate_group)
+                comm.sync_from_rank0(unowned_named_tensors(module),
+                                     self.replicate_group)
         if auto_wrap_policy is not None:
             uses = {}
             for name, p in module.named_parameters(remove_duplicate=False):
                 uses.setdefault(p, []).append(name)
             hybrid = self.replicate_group is not None
-            options = dict(reshard_after_forward=reshard_after_forward,
-                           sharding_strategy=sharding_strategy if hybrid else None if shard else api.ShardingStrategy.NO_SHARD,
-                           sync_module_states=sync_module_states and deferred, backward_prefetch=backward_prefetch,
-                           forward_prefetch=forward_prefetch, limit_all_gathers=limit_all_gathers,
-                           param_init_fn=param_init_fn, device_id=device_id, mixed_precision=mixed_precision,
-                           cpu_offload=cpu_offload,
-                           process_group=(process_group, self.replicate_group) if hybrid else process_group)
-            # chapter 8: modules of the policy's _module_classes_to_ignore become units of their own, in fp32
-            full_precision = tuple(mixed_precision._module_classes_to_ignore) if mixed_precision else ()
+            options = dict(
+                reshard_after_forward=reshard_after_forward,
+                sharding_strategy=(sharding_strategy if hybrid
+                                   else None if shard
+                                   else api.ShardingStrategy.NO_SHARD),
+                sync_module_states=sync_module_states and deferred,
+                backward_prefetch=backward_prefetch,
+                forward_prefetch=forward_prefetch,
+                limit_all_gathers=limit_all_gathers,
+                param_init_fn=param_init_fn, device_id=device_id,
+                mixed_precision=mixed_precision,
+                cpu_offload=cpu_offload,
+                process_group=((process_group, self.replicate_group) if hybrid
+                               else process_group))
+            # chapter 8: modules of the policy's _module_classes_to_ignore
+            # become units of their own, in fp32
+            full_precision = (tuple(mixed_precision._module_classes_to_ignore)
+                              if mixed_precision else ())
             if full_precision:
-                auto_wrap_policy = with_full_precision_units(auto_wrap_policy, full_precision)
+                auto_wrap_policy = with_full_precision_units(auto_wrap_policy,
+                                                             full_precision)
 
             def unit(child):
                 if isinstance(child, full_precision):
                     keep_full_precision(child)
-                    return FullyShardedDataParallel(child, **{**options, "mixed_precision": None})
+                    return FullyShardedDataParallel(
+                        child, **{**options, "mixed_precision": None})
                 return FullyShardedDataParallel(child, **options)
             wrap_children(module, auto_wrap_policy, uses, unit)
         self.module = module
         # device_id: a torch.device, or a GPU's index (0 is a GPU, not "unset")
-        device = torch.device("cuda", device_id) if isinstance(device_id, int) else device_id or current_device()
+        device = (torch.device("cuda", device_id) if isinstance(device_id, int)
+                  else device_id or current_device())
         self.device = device
-        if deferred:  # chapter 9: this unit's own parameters come to life now, and are sharded at once
-            training.materialize(list(modules_not_in_units(module)), param_init_fn, device,
-                                 broadcast=sync_module_states, group=process_group)
-        if device_id is not None:  # the tensors this unit owns go to its device (nested units moved theirs)
+        # chapter 9: this unit's own parameters come to life now, and are
+        # sharded at once
+        if deferred:
+            training.materialize(list(modules_not_in_units(module)),
+                                 param_init_fn, device,
+                                 broadcast=sync_module_states,
+                                 group=process_group)
+        # the tensors this unit owns go to its device (nested units moved
+        # theirs)
+        if device_id is not None:
             move_own_tensors(module, device)
         self.mixed_precision = mixed_precision
         check_master_dtype(mixed_precision, module.named_parameters())
-        for m in modules_not_in_units(module):  # (a nested unit cast its own, by its own policy)
+        # (a nested unit cast its own, by its own policy)
+        for m in modules_not_in_units(module):
             cast_buffers(m, mixed_precision, recurse=False)
         self.flat_params = self._flatten_own_parameters()
-        if self.replicate_group is not None and deferred and sync_module_states:  # replicas: the same shards
-            comm.broadcast_tensors([flat.param.data for flat in self.flat_params], src=0, group=self.replicate_group)
-        for flat in self.flat_params:  # chapter 8: what the all-gathers send, what the gradients are averaged in
-            flat.use_precision(mixed_precision and mixed_precision.param_dtype,
-                               mixed_precision and mixed_precision.reduce_dtype,
-                               offload=bool(cpu_offload and cpu_offload.offload_params),
-                               device=device)
+        # replicas: the same shards
+        if self.replicate_group is not None and deferred and sync_module_states:
+            comm.broadcast_tensors([flat.param.data for flat in self.flat_params],
+                                   src=0, group=self.replicate_group)
+        # chapter 8: what the all-gathers send, what the gradients are
+        # averaged in
+        for flat in self.flat_params:
+            flat.use_precision(
+                mixed_precision and mixed_precision.param_dtype,
+                mixed_precision and mixed_precision.reduce_dtype,
+                offload=bool(cpu_offload and cpu_offload.offload_params),
+                device=device)
         for i, flat in enumerate(self.flat_params):
             self.register_parameter(f"flat_param_{i}", flat.param)
             if flat.param.requires_grad:
                 flat.param.register_post_accumulate_grad_hook(
                     lambda p, flat=flat: self._post_backward(flat))
-        # The root is the outermost unit; it is built last and claims every unit inside it. (Kept in
-        # __dict__, not as an attribute nn.Module would register: a submodule pointing up makes a cycle.)
+        # The root is the outermost unit; it is built last and claims every
+        # unit inside it. (Kept in __dict__, not as an attribute nn.Module
+        # would register: a submodule pointing up makes a cycle.)
         self.__dict__["_root_unit"] = self
         for unit in module.modules():
             if isinstance(unit, FullyShardedDataParallel):
                 unit.__dict__["_root_unit"] = self
-        self._limiter = AllGatherLimiter() if limit_all_gathers else None  # one per root
+        # one per root
+        self._limiter = AllGatherLimiter() if limit_all_gathers else None
         for name, unit in self.named_units():
             unit.unit_name = name or "(root)"
             for flat in unit.flat_params:
@@ -201,28 +251,41 @@ class FullyShardedDataParallel(nn.Module):
         self._pending = []            # reduce-scatters in flight (root only)
         self._callback_queued = False  # root only
         self._backward_started = False
-        self._next_in_backward = None                  # the unit whose backward comes next (chapter 7)
-        self._sync_gradients = True                    # False inside no_sync()
-        self._scaled_before_forward = scaled_losses()  # chapter 8 (root only)
-        self._order = ExecutionOrder()                 # units in the order they ran (root only, chapter 7)
-        self._optimizers_checked = False               # root only (api.refuse_stale_optimizers)
+        # the unit whose backward comes next (chapter 7)
+        self._next_in_backward = None
+        # False inside no_sync()
+        self._sync_gradients = True
+        # chapter 8 (root only)
+        self._scaled_before_forward = scaled_losses()
+        # units in the order they ran (root only, chapter 7)
+        self._order = ExecutionOrder()
+        # root only (api.refuse_stale_optimizers)
+        self._optimizers_checked = False
     # --8<-- [end:init]
 
     # --8<-- [start:flatten_own]
     def _flatten_own_parameters(self) -> list[FlatParameter]:
-        """One FlatParameter for the trainable parameters this unit owns, one for the frozen ones."""
+        """One FlatParameter for the trainable parameters this unit owns, one
+        for the frozen ones."""
         places, dtypes = {True: [], False: []}, {}
         for prefix, m in named_modules_not_in_units(self.module):
             for name, p in m.named_parameters(recurse=False):
                 places[p.requires_grad].append((m, name))
                 dtypes.setdefault(p.dtype, []).append(prefix + name)
-        if len(dtypes) > 1:  # one flat tensor has one dtype: casting would silently change the model
-            held = "; ".join(f"{dtype}: {', '.join(names[:4])}{' ...' if len(names) > 4 else ''}"
+        # one flat tensor has one dtype: casting would silently change the
+        # model
+        if len(dtypes) > 1:
+            held = "; ".join(f"{dtype}: {', '.join(names[:4])}"
+                             f"{' ...' if len(names) > 4 else ''}"
                              for dtype, names in dtypes.items())
-            raise ValueError(f"a unit flattens its parameters into one tensor of one dtype, but the unit around "
-                             f"{type(self.module).__name__} holds several ({held}). Give the model one dtype, or "
-                             f"put the parameters of each dtype in units of their own (auto_wrap_policy)")
-        return [FlatParameter(places[rg], requires_grad=rg, group=self.process_group, shard=self.shard,
+            raise ValueError(
+                f"a unit flattens its parameters into one tensor of one "
+                f"dtype, but the unit around {type(self.module).__name__} "
+                f"holds several ({held}). Give the model one dtype, or put "
+                f"the parameters of each dtype in units of their own "
+                f"(auto_wrap_policy)")
+        return [FlatParameter(places[rg], requires_grad=rg,
+                              group=self.process_group, shard=self.shard,
                               replicate_group=self.replicate_group)
                 for rg in (True, False) if places[rg]]
     # --8<-- [end:flatten_own]
@@ -254,41 +317,56 @@ class FullyShardedDataParallel(nn.Module):
 
     # --8<-- [start:forward]
     def forward(self, *args, **kwargs):
-        if self._summoned:  # its originals are registered parameters: the runtime could not set its views
-            raise RuntimeError("forward inside summon_full_params(): leave the block first (as in PyTorch, "
-                               "summon_full_params is for use between steps)")
+        # its originals are registered parameters: the runtime could not set
+        # its views
+        if self._summoned:
+            raise RuntimeError("forward inside summon_full_params(): leave the "
+                               "block first (as in PyTorch, summon_full_params "
+                               "is for use between steps)")
         root = self._root_unit
         root._order.record("forward", self)
         if self.is_root:
-            if not self._optimizers_checked:  # the first forward: an optimizer built before wrapping?
+            # the first forward: an optimizer built before wrapping?
+            if not self._optimizers_checked:
                 api.refuse_stale_optimizers(self)
                 self._optimizers_checked = True
             api.refuse_moved_offloaded_shards(self)
-            self._scaled_before_forward = scaled_losses()  # fp16 without a loss scaler is warned about
+            # fp16 without a loss scaler is warned about
+            self._scaled_before_forward = scaled_losses()
             args, kwargs = cast_inputs(self.mixed_precision, args, kwargs)
-            sync_all_gathers(self.device)  # every unit's all-gathers: they run on this device's stream
+            # every unit's all-gathers: they run on this device's stream
+            sync_all_gathers(self.device)
         for flat in self.flat_params:
-            flat.unshard(async_op=True)  # start our own all-gather (if not prefetched already) ...
+            # start our own all-gather (if not prefetched already) ...
+            flat.unshard(async_op=True)
         if self.forward_prefetch:
-            # BEGIN EXERCISE 7.1: forward prefetch: the unit after this one in the recorded order; start its all-gather
-            order = root._order.order["forward"]  # (filled in the first step; complete once `recorded`)
+            # BEGIN EXERCISE 7.1: forward prefetch: start the next unit's all-gather
+            # (filled in the first step; complete once `recorded`)
+            order = root._order.order["forward"]
             if root._order.recorded and self in order[:-1]:
-                self._prefetch(order[order.index(self) + 1])  # ... queue the next unit's behind it ...
+                # ... queue the next unit's behind it ...
+                self._prefetch(order[order.index(self) + 1])
             # END EXERCISE
         for flat in self.flat_params:
             flat.wait_unshard()  # ... and only now block, for ours
-        events.emit(events.COMPUTE_BEGIN, f"forward {self.unit_name}")  # for a timeline, if one listens
+        # for a timeline, if one listens
+        events.emit(events.COMPUTE_BEGIN, f"forward {self.unit_name}")
         out = self.module(*args, **kwargs)
         events.emit(events.COMPUTE_END, f"forward {self.unit_name}")
-        if self._backward_started:  # a forward recomputed inside our backward (activation checkpointing):
-            return out               # our parameters stay for the backward, which has its hooks already
+        # a forward recomputed inside our backward (activation checkpointing):
+        # our parameters stay for the backward, which has its hooks already
+        if self._backward_started:
+            return out
         grads_coming = torch.is_grad_enabled() and any(
-            isinstance(t, torch.Tensor) and t.requires_grad for t in tree_leaves(out))
-        # the root keeps its parameters: its backward is the first to run, right after forward
+            isinstance(t, torch.Tensor) and t.requires_grad
+            for t in tree_leaves(out))
+        # the root keeps its parameters: its backward is the first to run,
+        # right after forward
         if not grads_coming or (self.reshard_after_forward and not self.is_root):
             for flat in self.flat_params:
                 flat.reshard()
-        if self.is_root:  # a prefetch the forward did not use (the graph changed): let it go
+        # a prefetch the forward did not use (the graph changed): let it go
+        if self.is_root:
             for unit in self.units()[1:]:
                 if unit.reshard_after_forward or not grads_coming:
                     for flat in unit.flat_params:
@@ -299,15 +377,18 @@ class FullyShardedDataParallel(nn.Module):
                     t.register_hook(self._pre_backward)
             for flat in self.flat_params:
                 flat.grad_forwards += 1
-                if flat.concat_node is not None and flat.grad_forwards == 1:  # the views this forward used
-                    flat.concat_node.register_prehook(lambda grad_outputs, flat=flat: self._before_concat(flat))
+                # the views this forward used
+                if flat.concat_node is not None and flat.grad_forwards == 1:
+                    flat.concat_node.register_prehook(
+                        lambda grad_outputs, flat=flat: self._before_concat(flat))
         return out
     # --8<-- [end:forward]
 
     # --8<-- [start:prefetch]
     @staticmethod
     def _prefetch(unit) -> None:
-        """Start the unit's all-gather now, without waiting: its own unshard() will find it on its way."""
+        """Start the unit's all-gather now, without waiting: its own unshard()
+        will find it on its way."""
         if unit is not None:
             for flat in unit.flat_params:
                 flat.unshard(async_op=True)
@@ -316,32 +397,39 @@ class FullyShardedDataParallel(nn.Module):
     # -- backward ---------------------------------------------------------------------------------------------
     # --8<-- [start:pre_backward]
     def _pre_backward(self, grad):
-        """The gradient of this unit's output has arrived: its own backward is next."""
+        """The gradient of this unit's output has arrived: its own backward is
+        next."""
         if not self._backward_started:
             self._backward_started = True
             root = self._root_unit
             root._order.record("backward", self)
-            # BEGIN EXERCISE 6.2: the first hook of a backward queues the root's end-of-backward; start our all-gather
+            # BEGIN EXERCISE 6.2: queue _finish_backward once; start our all-gather
             if not root._callback_queued:
                 root._callback_queued = True
-                torch.autograd.Variable._execution_engine.queue_callback(root._finish_backward)
+                torch.autograd.Variable._execution_engine.queue_callback(
+                    root._finish_backward)
             for flat in self.flat_params:
                 flat.unshard(async_op=True)
             # END EXERCISE
             if self.backward_prefetch is not None:
-                # BEGIN EXERCISE 7.2: backward prefetch: the unit whose backward comes next, from the recorded order
+                # BEGIN EXERCISE 7.2: backward prefetch: next unit in recorded order
                 order = root._order.order["backward"]
-                i = order.index(self) + 1 if root._order.recorded and self in order else len(order)
+                i = (order.index(self) + 1
+                     if root._order.recorded and self in order else len(order))
                 nxt = order[i] if i < len(order) else None
-                # only a unit still to come: the root's backward starts first and ends last, after every other's
-                self._next_in_backward = None if nxt is None or nxt._backward_started else nxt
+                # only a unit still to come: the root's backward starts first
+                # and ends last, after every other's
+                self._next_in_backward = (
+                    None if nxt is None or nxt._backward_started else nxt)
                 if self.backward_prefetch == BackwardPrefetch.BACKWARD_PRE:
-                    self._prefetch(self._next_in_backward)  # before we wait for our own and compute
+                    # before we wait for our own and compute
+                    self._prefetch(self._next_in_backward)
                 # END EXERCISE
             for flat in self.flat_params:
                 flat.wait_unshard()
-                # a gradient shard left from an earlier backward (accumulation) cannot take the full-size
-                # gradient autograd is about to produce: set it aside, add it back at the end
+                # a gradient shard left from an earlier backward
+                # (accumulation) cannot take the full-size gradient autograd
+                # is about to produce: set it aside, add it back at the end
                 flat.saved_grad, flat.param.grad = flat.param.grad, None
             events.emit(events.COMPUTE_BEGIN, f"backward {self.unit_name}")
         return grad
@@ -349,11 +437,14 @@ class FullyShardedDataParallel(nn.Module):
 
     # --8<-- [start:before_concat]
     def _before_concat(self, flat: FlatParameter) -> None:
-        """Autograd is about to concatenate this unit's parameter gradients into its flat gradient, a new
-        full-size tensor. Make room first: our full parameters go (no node still to run reads them -- unless
-        a second forward fed this gradient: then they stay until reshard, as before), and the earlier units'
-        full gradients, whose reduce-scatters have had our whole backward to finish: wait for them, and let
-        the gradients go. (Not earlier: that would keep our compute from overlapping their reduce-scatters.)"""
+        """Autograd is about to concatenate this unit's parameter gradients
+        into its flat gradient, a new full-size tensor. Make room first: our
+        full parameters go (no node still to run reads them -- unless a second
+        forward fed this gradient: then they stay until reshard, as before),
+        and the earlier units' full gradients, whose reduce-scatters have had
+        our whole backward to finish: wait for them, and let the gradients go.
+        (Not earlier: that would keep our compute from overlapping their
+        reduce-scatters.)"""
         if flat.grad_forwards == 1:
             flat.free_before_concat()
         self._root_unit._retire_finished(wait=True)
@@ -361,15 +452,20 @@ class FullyShardedDataParallel(nn.Module):
 
     # --8<-- [start:post_backward]
     def _post_backward(self, flat: FlatParameter) -> None:
-        """The flat gradient is complete: average it across ranks (async) and free the full parameters."""
+        """The flat gradient is complete: average it across ranks (async) and
+        free the full parameters."""
         events.emit(events.COMPUTE_END, f"backward {self.unit_name}")
-        if self.backward_prefetch == BackwardPrefetch.BACKWARD_POST:  # ahead of our reduce-scatter
-            nxt = self._next_in_backward  # (found by _pre_backward) -- if its backward has not started since
+        # ahead of our reduce-scatter
+        if self.backward_prefetch == BackwardPrefetch.BACKWARD_POST:
+            # (found by _pre_backward) -- if its backward has not started since
+            nxt = self._next_in_backward
             self._prefetch(None if nxt is None or nxt._backward_started else nxt)
-        if not self._sync_gradients or flat.unsharded_grad is not None:  # no_sync() (chapter 9) in play
-            if training.accumulate_unsharded(flat, self._sync_gradients):  # inside the block: nothing is sent
+        # no_sync() (chapter 9) in play
+        if not self._sync_gradients or flat.unsharded_grad is not None:
+            # inside the block: nothing is sent
+            if training.accumulate_unsharded(flat, self._sync_gradients):
                 return
-        # BEGIN EXERCISE 6.1: reduce-scatter the flat gradient (async), queue it for the root, reshard
+        # BEGIN EXERCISE 6.1: reduce-scatter the flat gradient, queue it, reshard
         full_grad = flat.param.grad
         flat.param.grad = None
         handle, grad_shard = flat.reduce_scatter_grad(full_grad)
@@ -381,33 +477,44 @@ class FullyShardedDataParallel(nn.Module):
 
     # --8<-- [start:finish_backward]
     def _retire_finished(self, wait: bool = False) -> None:
-        """Hand over the gradient shards of finished reduce-scatters, and let their full gradients go."""
+        """Hand over the gradient shards of finished reduce-scatters, and let
+        their full gradients go."""
         still_pending = []
-        for flat, handle, grad_shard, full_grad in self._pending:  # full_grad: kept alive until sent
+        # full_grad: kept alive until sent
+        for flat, handle, grad_shard, full_grad in self._pending:
             if not (wait or handle.is_completed()):
                 still_pending.append((flat, handle, grad_shard, full_grad))
                 continue
             handle.wait()
-            sent, flat.reduce_input = flat.reduce_input, None  # full_grad (or chapter 8's reduce_dtype copy)
-            grad_shard = flat.grad_for_optimizer(grad_shard)  # chapter 8: fp32, where the shard lives
-            if flat.sharded and not flat.offload:  # the shard is copied out: the full gradient goes now
+            # full_grad (or chapter 8's reduce_dtype copy)
+            sent, flat.reduce_input = flat.reduce_input, None
+            # chapter 8: fp32, where the shard lives
+            grad_shard = flat.grad_for_optimizer(grad_shard)
+            # the shard is copied out: the full gradient goes now
+            if flat.sharded and not flat.offload:
                 comm.release(sent)
-            flat.param.grad = grad_shard if flat.saved_grad is None else flat.saved_grad + grad_shard
+            flat.param.grad = (grad_shard if flat.saved_grad is None
+                               else flat.saved_grad + grad_shard)
             flat.saved_grad = None
         self._pending = still_pending
 
     def _finish_backward(self) -> None:
-        """End of backward (root only): wait for the reduce-scatters, hand the shards to the optimizer."""
+        """End of backward (root only): wait for the reduce-scatters, hand the
+        shards to the optimizer."""
         self._retire_finished(wait=True)
-        self._order.recorded = True  # the first step has shown the order: prefetching may use it
+        # the first step has shown the order: prefetching may use it
+        self._order.recorded = True
         for unit in self.units():
-            events.emit(events.COMPUTE_END, f"backward {unit.unit_name}")  # a unit without gradients never ended
+            # a unit without gradients never ended
+            events.emit(events.COMPUTE_END, f"backward {unit.unit_name}")
             unit._backward_started = False
             for flat in unit.flat_params:
                 flat.grad_forwards = 0
-                flat.reshard()  # the root, and any unit whose parameters got no gradient
-                # no reduce-scatter came to add to the gradient set aside (no_sync, or no gradient this
-                # time): it goes back -- onto the shard, so only once the unit is resharded
+                # the root, and any unit whose parameters got no gradient
+                flat.reshard()
+                # no reduce-scatter came to add to the gradient set aside
+                # (no_sync, or no gradient this time): it goes back -- onto the
+                # shard, so only once the unit is resharded
                 if flat.saved_grad is not None:
                     flat.param.grad, flat.saved_grad = flat.saved_grad, None
         self._callback_queued = False

@@ -27,10 +27,12 @@ class BackwardPrefetch(enum.Enum):
 
 # --8<-- [start:order]
 class ExecutionOrder:
-    """The order units ran in, forward and backward, during the first step (kept by the root).
+    """The order units ran in, forward and backward, during the first step (kept
+    by the root).
 
-    order["forward"], order["backward"]: the units, each once, in the order they first ran. Complete once
-    `recorded` is set, at the end of the first backward: from then on, a unit finds the one after it there."""
+    order["forward"], order["backward"]: the units, each once, in the order they
+    first ran. Complete once `recorded` is set, at the end of the first
+    backward: from then on, a unit finds the one after it there."""
 
     def __init__(self):
         self.order = {"forward": [], "backward": []}
@@ -44,15 +46,18 @@ class ExecutionOrder:
 
 # --8<-- [start:limiter]
 class AllGatherLimiter:
-    """limit_all_gathers=True: the CPU may run at most `limit` frees ahead of the device.
+    """limit_all_gathers=True: the CPU may run at most `limit` frees ahead of
+    the device.
 
-    On a GPU, reshard() frees a buffer in the CPU's program order, but the device gets to that point only
-    when the compute queued before it is done, and the allocator keeps the memory until then (reshard's
-    record_stream). A CPU thread running far ahead would start -- and allocate a new full buffer for --
-    the all-gather of every unit before the device has freed any. So each free is marked with a CUDA
-    event, and before a new all-gather the CPU waits for the oldest outstanding free once `limit` are
-    pending. On the CPU, compute is synchronous: a free is done when reshard() returns,
-    nothing is ever pending, and the limiter never waits.
+    On a GPU, reshard() frees a buffer in the CPU's program order, but the
+    device gets to that point only when the compute queued before it is done,
+    and the allocator keeps the memory until then (reshard's record_stream). A
+    CPU thread running far ahead would start -- and allocate a new full buffer
+    for -- the all-gather of every unit before the device has freed any. So each
+    free is marked with a CUDA event, and before a new all-gather the CPU waits
+    for the oldest outstanding free once `limit` are pending. On the CPU,
+    compute is synchronous: a free is done when reshard() returns, nothing is
+    ever pending, and the limiter never waits.
     """
 
     def __init__(self, limit: int = 2):

@@ -21,12 +21,17 @@ if TYPE_CHECKING:
 
 
 # --8<-- [start:materialize]
-def materialize(modules: list[nn.Module], param_init_fn, device: torch.device, broadcast: bool, group=None) -> None:
-    """Deferred init: give memory to the meta parameters and buffers of `modules` (what one unit owns), and
-    initialise them with param_init_fn(module) (default: module.reset_parameters()) for each module. Units
-    are built innermost first and each shards its parameters right after, so a rank never holds more than
-    one unit in full: a model larger than one rank's memory can be built."""
-    fresh = {}  # id(meta tensor) -> (meta tensor, its real replacement): a tied one is replaced once
+def materialize(modules: list[nn.Module], param_init_fn, device: torch.device,
+                broadcast: bool, group=None) -> None:
+    """Deferred init: give memory to the meta parameters and buffers of
+    `modules` (what one unit owns), and initialise them with
+    param_init_fn(module) (default: module.reset_parameters()) for each module.
+    Units are built innermost first and each shards its parameters right after,
+    so a rank never holds more than one unit in full: a model larger than one
+    rank's memory can be built."""
+    # id(meta tensor) -> (meta tensor, its real replacement): a tied one is
+    # replaced once
+    fresh = {}
     for m in modules:
         for table in (m._parameters, m._buffers):
             for name, t in table.items():
@@ -34,7 +39,8 @@ def materialize(modules: list[nn.Module], param_init_fn, device: torch.device, b
                     if id(t) not in fresh:
                         real = torch.empty_like(t, device=device)
                         if isinstance(t, nn.Parameter):
-                            real = nn.Parameter(real, requires_grad=t.requires_grad)
+                            real = nn.Parameter(
+                                real, requires_grad=t.requires_grad)
                         fresh[id(t)] = (t, real)
                     table[name] = fresh[id(t)][1]
     for m in modules:
@@ -42,17 +48,21 @@ def materialize(modules: list[nn.Module], param_init_fn, device: torch.device, b
             param_init_fn(m)
         elif hasattr(m, "reset_parameters"):
             m.reset_parameters()
-    if broadcast:  # as sync_module_states does for a model built eagerly: rank 0's values everywhere
-        comm.broadcast_tensors([real for _, real in fresh.values()], src=0, group=group)
+    # as sync_module_states does for a model built eagerly: rank 0's values
+    # everywhere
+    if broadcast:
+        comm.broadcast_tensors([real for _, real in fresh.values()], src=0,
+                               group=group)
 # --8<-- [end:materialize]
 
 
 # --8<-- [start:no_sync]
 @contextlib.contextmanager
 def no_sync(units: list):
-    """Backward passes inside the block send nothing: every unit keeps its full flat gradient and adds
-    the next one to it. The first backward after the block adds them in and reduce-scatters once. The
-    FSDP paper's trade: one reduce-scatter per unit instead of one per micro-batch, for 4Ψ of
+    """Backward passes inside the block send nothing: every unit keeps its
+    full flat gradient and adds the next one to it. The first backward after
+    the block adds them in and reduce-scatters once. The FSDP paper's trade:
+    one reduce-scatter per unit instead of one per micro-batch, for 4Ψ of
     unsharded gradients (DDP's amount) held between the micro-batches."""
     before = [u._sync_gradients for u in units]
     for u in units:
@@ -65,16 +75,19 @@ def no_sync(units: list):
 
 
 def accumulate_unsharded(flat: FlatParameter, sync_gradients: bool) -> bool:
-    """Inside no_sync(): keep the full gradient and reshard (True). Outside: fold in what no_sync kept."""
+    """Inside no_sync(): keep the full gradient and reshard (True). Outside:
+    fold in what no_sync kept."""
     full_grad = flat.param.grad
-    # BEGIN EXERCISE 9.1: no_sync: keep (and add up) the full gradient; after it, fold it in
+    # BEGIN EXERCISE 9.1: no_sync: keep and add up full gradients; then fold in
     if not sync_gradients:
         flat.param.grad = None
-        flat.unsharded_grad = full_grad if flat.unsharded_grad is None else flat.unsharded_grad.add_(full_grad)
+        flat.unsharded_grad = (full_grad if flat.unsharded_grad is None
+                               else flat.unsharded_grad.add_(full_grad))
         flat.reshard()
         return True
     if flat.unsharded_grad is not None:
-        full_grad.add_(flat.unsharded_grad)  # the same sum DDP's no_sync makes, before averaging
+        # the same sum DDP's no_sync makes, before averaging
+        full_grad.add_(flat.unsharded_grad)
         flat.unsharded_grad = None
     return False
     # END EXERCISE
@@ -82,14 +95,19 @@ def accumulate_unsharded(flat: FlatParameter, sync_gradients: bool) -> bool:
 
 
 # --8<-- [start:clip]
-def clip_grad_norm_(flat_params: list[FlatParameter], max_norm: float, norm_type: float = 2.0,
-                    group=None) -> torch.Tensor:
-    """Scale every gradient so that the norm of the whole model's gradient is at most `max_norm`, as
-    torch.nn.utils.clip_grad_norm_ would on the full gradients; returns that norm (before clipping).
-    Each rank holds a disjoint shard of every flat gradient: see zero/clip.py."""
-    grads = [flat.param.grad for flat in flat_params if flat.param.grad is not None and flat.sharded]
-    # NO_SHARD: every rank holds the same whole gradient, so only rank 0 counts it in the norm; all scale it
-    replicated = [flat.param.grad for flat in flat_params if flat.param.grad is not None and not flat.sharded]
+def clip_grad_norm_(flat_params: list[FlatParameter], max_norm: float,
+                    norm_type: float = 2.0, group=None) -> torch.Tensor:
+    """Scale every gradient so that the norm of the whole model's gradient is
+    at most `max_norm`, as torch.nn.utils.clip_grad_norm_ would on the full
+    gradients; returns that norm (before clipping). Each rank holds a disjoint
+    shard of every flat gradient: see zero/clip.py."""
+    grads = [flat.param.grad for flat in flat_params
+             if flat.param.grad is not None and flat.sharded]
+    # NO_SHARD: every rank holds the same whole gradient, so only rank 0
+    # counts it in the norm; all scale it
+    replicated = [flat.param.grad for flat in flat_params
+                  if flat.param.grad is not None and not flat.sharded]
     counted = replicated if comm.rank(group) == 0 else []
-    return clip_sharded_grad_norm_(grads + counted, max_norm, norm_type, group=group, scaled=grads + replicated)
+    return clip_sharded_grad_norm_(grads + counted, max_norm, norm_type,
+                                   group=group, scaled=grads + replicated)
 # --8<-- [end:clip]

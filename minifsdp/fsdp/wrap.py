@@ -22,7 +22,8 @@ import torch.nn as nn
 
 # --8<-- [start:policies]
 class ModuleWrapPolicy:
-    """Wrap every submodule whose class is in `classes` (e.g. {Block}) in its own unit."""
+    """Wrap every submodule whose class is in `classes` (e.g. {Block}) in
+    its own unit."""
 
     def __init__(self, classes):
         self.classes = tuple(classes)
@@ -32,7 +33,8 @@ class ModuleWrapPolicy:
 
 
 class SizeBasedWrapPolicy:
-    """Wrap a submodule once the parameters not yet in a nested unit reach `min_num_params`."""
+    """Wrap a submodule once the parameters not yet in a nested unit reach
+    `min_num_params`."""
 
     def __init__(self, min_num_params: int = 100_000_000):
         self.min_num_params = min_num_params
@@ -140,28 +142,36 @@ def move_own_tensors(module: nn.Module, device: torch.device) -> None:
 
 
 # --8<-- [start:wrap]
-def wrap_children(module: nn.Module, policy, uses: dict, wrap: Callable[[nn.Module], nn.Module],
+def wrap_children(module: nn.Module, policy, uses: dict,
+                  wrap: Callable[[nn.Module], nn.Module],
                   prefix: str = "") -> None:
-    """Post-order: wrap the deepest matching submodules first (`wrap(child)` makes the unit), so outer
-    units own what is left.
+    """Post-order: wrap the deepest matching submodules first (`wrap(child)`
+    makes the unit), so outer units own what is left.
 
-    uses: every parameter -> the qualified names it appears under (a tied parameter has several).
+    uses: every parameter -> the qualified names it appears under (a tied
+    parameter has several).
     """
     for name, child in module.named_children():
         if is_unit(child) or is_ignored(child):
             continue
-        if hasattr(policy, "recurse") and not policy.recurse(child, unowned_numel(child)):
-            continue  # a PyTorch policy says: leave this subtree alone (too small, or a leaf module)
+        if (hasattr(policy, "recurse")
+                and not policy.recurse(child, unowned_numel(child))):
+            # a PyTorch policy says: leave this subtree alone (too small, or
+            # a leaf module)
+            continue
         path = f"{prefix}{name}."
         wrap_children(child, policy, uses, wrap, path)
         if policy(child, unowned_numel(child)):
-            for p in unowned_params(child):  # (what nested units own was checked when they were wrapped)
+            # (what nested units own was checked when they were wrapped)
+            for p in unowned_params(child):
                 outside = [n for n in uses[p] if not n.startswith(path)]
                 if outside:
                     inside = next(n for n in uses[p] if n.startswith(path))
-                    raise ValueError(f"{inside!r} is tied to {outside[0]!r}, but the wrap policy puts them in "
-                                     f"different units: tied parameters must live in the same unit (wrap a "
-                                     f"module that contains both)")
+                    raise ValueError(
+                        f"{inside!r} is tied to {outside[0]!r}, but the wrap "
+                        f"policy puts them in different units: tied "
+                        f"parameters must live in the same unit (wrap a "
+                        f"module that contains both)")
             setattr(module, name, wrap(child))
 # --8<-- [end:wrap]
 
