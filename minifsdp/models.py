@@ -44,21 +44,24 @@ class CausalSelfAttention(nn.Module):
 
 # --8<-- [start:init_weights]
 def init_weights(m: nn.Module) -> None:
-    """GPT-2's init of the parameters directly in `m`: small weights (so the first logits are near zero and
-    the loss starts near ln(vocab)), zero biases, LayerNorms at one and zero.
+    """GPT-2's init of the parameters directly in `m`: small weights (so the
+    first logits are near zero and the loss starts near ln(vocab)), zero
+    biases, LayerNorms at one and zero.
 
-    Each tensor draws from a generator seeded by (model seed, module name), not from torch's global
-    generator: its values then depend on nothing else -- not on the order modules are initialised in,
-    nor on what else was initialised before. That is what lets FSDP build the model on the meta device
-    and initialise it unit by unit, innermost units first, and still get exactly the bits of an eager
-    TinyGPT(seed=...)."""
+    Each tensor draws from a generator seeded by (model seed, module name),
+    not from torch's global generator: its values then depend on nothing
+    else -- not on the order modules are initialised in, nor on what else was
+    initialised before. That is what lets FSDP build the model on the meta
+    device and initialise it unit by unit, innermost units first, and still
+    get exactly the bits of an eager TinyGPT(seed=...)."""
     name = getattr(m, "_init_name", None)
     if name is None:  # not a TinyGPT module, or one whose weight is another's
         return
     with torch.no_grad():
         if isinstance(m, (nn.Linear, nn.Embedding)):
             key = hashlib.sha256(f"{m._init_seed}/{name}".encode()).digest()
-            g = torch.Generator(m.weight.device).manual_seed(int.from_bytes(key[:8], "little") >> 1)
+            seed = int.from_bytes(key[:8], "little") >> 1
+            g = torch.Generator(m.weight.device).manual_seed(seed)
             m.weight.normal_(mean=0.0, std=0.02, generator=g)
         if isinstance(m, nn.Linear) and m.bias is not None:
             m.bias.zero_()

@@ -273,11 +273,14 @@ def train(strategy: str = "ddp", model: str = "gpt", optimizer: str = "adamw", s
 
 
 # --8<-- [start:emulated]
-def _emulated_backward(model_name, net, mp, n, scale, rank_batches) -> torch.Tensor:
-    """One process playing n ranks, with exactly the casts mixed precision makes -- the reference chapter 8
-    compares against (not fp32 with a loose tolerance): each rank's slice computes with a param_dtype cast
-    of the fp32 parameters; each rank's gradient is cast to reduce_dtype and multiplied by 1/n; the n are
-    added in rank order, in reduce_dtype; the sum lands in fp32 .grad. Returns the mean loss."""
+def _emulated_backward(model_name, net, mp, n, scale,
+                       rank_batches) -> torch.Tensor:
+    """One process playing n ranks, with exactly the casts mixed precision
+    makes -- the reference chapter 8 compares against (not fp32 with a loose
+    tolerance): each rank's slice computes with a param_dtype cast of the fp32
+    parameters; each rank's gradient is cast to reduce_dtype and multiplied by
+    1/n; the n are added in rank order, in reduce_dtype; the sum lands in fp32
+    .grad. Returns the mean loss."""
     from torch.func import functional_call
 
     params = dict(net.named_parameters())
@@ -285,11 +288,14 @@ def _emulated_backward(model_name, net, mp, n, scale, rank_batches) -> torch.Ten
     reduce = (mp and mp.grad_dtype) or compute
     total, losses = {}, []
     for tensors in rank_batches:
-        cast = {k: p.detach().to(compute).requires_grad_() for k, p in params.items()}
-        loss = loss_of(model_name, lambda *args: functional_call(net, cast, args), tensors)
+        cast = {k: p.detach().to(compute).requires_grad_()
+                for k, p in params.items()}
+        loss = loss_of(model_name,
+                       lambda *args: functional_call(net, cast, args), tensors)
         scale(loss).backward()
         for k, c in cast.items():
-            g = (c.grad if c.grad is not None else torch.zeros_like(c)).to(reduce).mul_(1.0 / n)
+            grad = c.grad if c.grad is not None else torch.zeros_like(c)
+            g = grad.to(reduce).mul_(1.0 / n)
             total[k] = g if k not in total else total[k] + g
         losses.append(loss.detach().float())
     for k, p in params.items():

@@ -226,9 +226,10 @@ class DistributedDataParallel(nn.Module):
         return flat.mul_(1.0 / self.world_size)
 
     def _launch(self, bucket: _Bucket) -> None:
-        # BEGIN EXERCISE 1.2: average the bucket's gradients with an async all-reduce
+        # BEGIN EXERCISE 1.2: average the bucket's gradients by an async all-reduce
         bucket.flat = self._flatten(bucket)
-        bucket.handle = comm.all_reduce(bucket.flat, async_op=True, tag=f"bucket{self._next}",
+        bucket.handle = comm.all_reduce(bucket.flat, async_op=True,
+                                        tag=f"bucket{self._next}",
                                         group=self.process_group)
         # END EXERCISE
     # --8<-- [end:hooks]
@@ -261,7 +262,7 @@ class DistributedDataParallel(nn.Module):
             bucket.handle = bucket.flat = None
 
     def _write_back(self, bucket: _Bucket, globally_used: dict | None) -> None:
-        # BEGIN EXERCISE 1.3: wait for the bucket's all-reduce and copy the averages back into .grad
+        # BEGIN EXERCISE 1.3: wait for the all-reduce, copy the averages into .grad
         bucket.handle.wait()
         offset = 0
         for p in bucket.params:

@@ -168,8 +168,9 @@ def counting(record: bool = False):
 # --8<-- [start:throttle]
 @dataclass
 class _Link:
-    """A simulated network: one channel, collectives cross it one after another in issue order (as on
-    one NCCL stream), each taking latency + bytes sent / bandwidth."""
+    """A simulated network: one channel, collectives cross it one after
+    another in issue order (as on one NCCL stream), each taking latency +
+    bytes sent / bandwidth."""
     bandwidth: float  # bytes per second one rank sends
     latency: float    # seconds per collective
     free_at: float = 0.0
@@ -185,12 +186,15 @@ _link: _Link | None = None
 
 @contextlib.contextmanager
 def throttled(bandwidth: float = 50e6, latency: float = 1e-3):
-    """Inside the block, no collective completes before a slow simulated network would have carried it:
-    `bandwidth` bytes/s per rank, `latency` seconds each. For timelines on a laptop only -- it changes
-    when a wait returns, never a value."""
+    """Inside the block, no collective completes before a slow simulated
+    network would have carried it: `bandwidth` bytes/s per rank, `latency`
+    seconds each. For timelines on a laptop only -- it changes when a wait
+    returns, never a value."""
     global _link
     if bandwidth <= 0 or latency < 0:
-        raise ValueError(f"throttled(bandwidth={bandwidth}, latency={latency}): need bandwidth > 0, latency >= 0")
+        raise ValueError(
+            f"throttled(bandwidth={bandwidth}, latency={latency}): "
+            f"need bandwidth > 0, latency >= 0")
     outer, _link = _link, _Link(bandwidth, latency)
     try:
         yield _link
@@ -378,20 +382,27 @@ def release(tensor: torch.Tensor) -> None:
 
 # --8<-- [start:copy_to]
 def copy_to(tensor: torch.Tensor, device: torch.device, direction: str,
-            dtype: torch.dtype | None = None, non_blocking: bool = False) -> torch.Tensor:
-    """A copy between host and device memory (CPU offload, chapter 8): not a collective, but traffic all the
-    same, so it is counted here too -- in `counter.copies[direction]`, apart from the network's bytes.
-    direction: "host_to_device" or "device_to_host". On a CPU-only machine both ends are the CPU: the copy
-    still happens (one code path), it just costs a memcpy instead of a trip over PCIe.
+            dtype: torch.dtype | None = None,
+            non_blocking: bool = False) -> torch.Tensor:
+    """A copy between host and device memory (CPU offload, chapter 8): not a
+    collective, but traffic all the same, so it is counted here too -- in
+    `counter.copies[direction]`, apart from the network's bytes.
+    direction: "host_to_device" or "device_to_host". On a CPU-only machine
+    both ends are the CPU: the copy still happens (one code path), it just
+    costs a memcpy instead of a trip over PCIe.
 
-    non_blocking (device to host): only queue the copy on the current stream, into pinned host memory, and
-    return. The CPU must not read the result before that stream has got past it (wait on an event recorded
-    there), so no `dtype` then: a cast on the host would read it at once."""
+    non_blocking (device to host): only queue the copy on the current stream,
+    into pinned host memory, and return. The CPU must not read the result
+    before that stream has got past it (wait on an event recorded there), so
+    no `dtype` then: a cast on the host would read it at once."""
     if non_blocking and dtype is not None:
-        raise ValueError("copy_to(non_blocking=True) cannot cast: the host would read the copy before it lands")
-    # from pinned host memory to the device, asynchronous is always safe (the device's later work queues behind
-    # it); to the host only when the caller says it will wait before reading
-    asynchronous = tensor.is_pinned() if direction == "host_to_device" else non_blocking and tensor.is_cuda
+        raise ValueError("copy_to(non_blocking=True) cannot cast: the host "
+                         "would read the copy before it lands")
+    # from pinned host memory to the device, asynchronous is always safe (the
+    # device's later work queues behind it); to the host only when the caller
+    # says it will wait before reading
+    asynchronous = (tensor.is_pinned() if direction == "host_to_device"
+                    else non_blocking and tensor.is_cuda)
     out = tensor.to(device, non_blocking=asynchronous, copy=True)
     for c in _active:
         c.copies[direction] += _nbytes(tensor)

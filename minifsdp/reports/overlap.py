@@ -29,9 +29,12 @@ from minifsdp.train import OPTIMIZERS, batch, loss_of
 MODES = {  # name -> FullyShardedDataParallel's overlap arguments
     "no prefetch": dict(backward_prefetch=None, forward_prefetch=False),
     "forward_prefetch": dict(backward_prefetch=None, forward_prefetch=True),
-    "BACKWARD_POST": dict(backward_prefetch=BACKWARD_POST, forward_prefetch=False),
-    "BACKWARD_PRE": dict(backward_prefetch=BACKWARD_PRE, forward_prefetch=False),
-    "forward_prefetch + BACKWARD_PRE": dict(backward_prefetch=BACKWARD_PRE, forward_prefetch=True),
+    "BACKWARD_POST": dict(backward_prefetch=BACKWARD_POST,
+                          forward_prefetch=False),
+    "BACKWARD_PRE": dict(backward_prefetch=BACKWARD_PRE,
+                         forward_prefetch=False),
+    "forward_prefetch + BACKWARD_PRE": dict(backward_prefetch=BACKWARD_PRE,
+                                            forward_prefetch=True),
 }
 # --8<-- [end:modes]
 

@@ -125,26 +125,36 @@ BUILDERS = {**STRATEGIES_UNDER_TEST, **REFERENCES, CONTROL: _control}
 
 # -- the rules: what each case is compared with, and how closely ---------------------------------------------
 # --8<-- [start:rules]
-# Flat buffers step every element every step: a parameter that no rank used gets a zero gradient, so
-# momentum and weight decay move it, where torch's DDP leaves .grad None and its optimizers skip it.
-ZERO_GRAD_WHEN_UNUSED = {s for s in STRATEGIES_UNDER_TEST if s.startswith(("fsdp", "oss_flat", "sdp_flat"))}
-# Nothing re-broadcasts rank 0's buffers before each forward: BatchNorm statistics stay each rank's own.
-LOCAL_BUFFERS = {s for s in STRATEGIES_UNDER_TEST if s.startswith(("fsdp", "oss_flat"))}
+# Flat buffers step every element every step: a parameter that no rank used
+# gets a zero gradient, so momentum and weight decay move it, where torch's
+# DDP leaves .grad None and its optimizers skip it.
+ZERO_GRAD_WHEN_UNUSED = {s for s in STRATEGIES_UNDER_TEST
+                         if s.startswith(("fsdp", "oss_flat", "sdp_flat"))}
+# Nothing re-broadcasts rank 0's buffers before each forward: BatchNorm
+# statistics stay each rank's own.
+LOCAL_BUFFERS = {s for s in STRATEGIES_UNDER_TEST
+                 if s.startswith(("fsdp", "oss_flat"))}
 
-# Past two ranks the N contributions to an element are added in another order than DDP's all-reduce adds
-# them (a ring reduce-scatter starts each chunk at another rank), so a gradient may round differently by a
-# few ulps of itself. An element-wise optimizer passes that on to the update, times lr: far below an ulp of
-# the parameter, but enough to round the parameter to a neighbouring value -- about one ulp of it per step.
-# The parameters here are below 4, where an ulp is at most 2 ulps of 1; we allow 8 times that per step:
+# Past two ranks the N contributions to an element are added in another order
+# than DDP's all-reduce adds them (a ring reduce-scatter starts each chunk at
+# another rank), so a gradient may round differently by a few ulps of itself.
+# An element-wise optimizer passes that on to the update, times lr: far below
+# an ulp of the parameter, but enough to round the parameter to a neighbouring
+# value -- about one ulp of it per step. The parameters here are below 4,
+# where an ulp is at most 2 ulps of 1; we allow 8 times that per step:
 ULPS_PER_STEP = 16
 
 
 def oracle(strategy: str, model: str) -> tuple[str, str]:
     """(reference for the parameters, reference for the buffers) of a case."""
-    wrap = strategy.split("/")[1] if "/" in strategy else "whole"  # the flat designs are one unit's semantics
+    # the flat designs are one unit's semantics
+    wrap = strategy.split("/")[1] if "/" in strategy else "whole"
     fsdp1 = f"torch_fsdp1/{wrap}"
-    params = fsdp1 if _find_unused(MODELS[model]) and strategy in ZERO_GRAD_WHEN_UNUSED else "torch_ddp"
-    buffers = fsdp1 if strategy in LOCAL_BUFFERS and _has_buffers(model) else "torch_ddp"
+    zero_grads = (_find_unused(MODELS[model])
+                  and strategy in ZERO_GRAD_WHEN_UNUSED)
+    params = fsdp1 if zero_grads else "torch_ddp"
+    local_buffers = strategy in LOCAL_BUFFERS and _has_buffers(model)
+    buffers = fsdp1 if local_buffers else "torch_ddp"
     return params, buffers
 
 
@@ -154,8 +164,9 @@ def _has_buffers(model: str) -> bool:
 
 
 def tolerance(world_size: int, dtype: torch.dtype, steps: int = STEPS) -> float:
-    """Largest |ours - reference| allowed: 0.0 (bit-exact) where the reduction order is DDP's -- one rank, or
-    two, where each element's sum is one commutative addition and the 1/2 before it exact."""
+    """Largest |ours - reference| allowed: 0.0 (bit-exact) where the reduction
+    order is DDP's -- one rank, or two, where each element's sum is one
+    commutative addition and the 1/2 before it exact."""
     if world_size <= 2:
         return 0.0
     return ULPS_PER_STEP * steps * torch.finfo(dtype).eps

@@ -21,26 +21,36 @@ from minifsdp.distributed.launch import current_device
 
 # --8<-- [start:clip]
 @torch.no_grad()
-def clip_sharded_grad_norm_(grads: list[torch.Tensor], max_norm: float, norm_type: float = 2.0,
-                            group=None, scaled: list[torch.Tensor] | None = None) -> torch.Tensor:
-    """Clip gradients sliced disjointly across ranks as if they were one; returns the total norm (before).
-    scaled: the gradients to scale, if not `grads` themselves (FairScale's filter_params_fn counts only some
-    gradients in the norm, and scales them all)."""
+def clip_sharded_grad_norm_(
+        grads: list[torch.Tensor], max_norm: float, norm_type: float = 2.0,
+        group=None, scaled: list[torch.Tensor] | None = None) -> torch.Tensor:
+    """Clip gradients sliced disjointly across ranks as if they were one;
+    returns the total norm (before).
+    scaled: the gradients to scale, if not `grads` themselves (FairScale's
+    filter_params_fn counts only some gradients in the norm, and scales them
+    all)."""
     p = float(norm_type)
-    device = current_device()  # where the collective runs (NCCL: this rank's GPU), wherever the grads live
-    # BEGIN EXERCISE 9.2: the norm of the whole gradient from each rank's partial sum (or max)
-    norms = torch.stack([torch.linalg.vector_norm(g, p).to(device) for g in grads]) if grads \
-        else torch.zeros(1, device=device)
+    # where the collective runs (NCCL: this rank's GPU), wherever the grads live
+    device = current_device()
+    # BEGIN EXERCISE 9.2: the whole gradient's norm from partial sums (or max)
+    if grads:
+        norms = torch.stack([torch.linalg.vector_norm(g, p).to(device)
+                             for g in grads])
+    else:
+        norms = torch.zeros(1, device=device)
     if p == float("inf"):
         total = norms.max().clone()
-        comm.all_reduce(total, op=comm.ReduceOp.MAX, tag="clip_grad_norm", group=group)
+        comm.all_reduce(total, op=comm.ReduceOp.MAX, tag="clip_grad_norm",
+                        group=group)
     else:
         total = norms.pow(p).sum()
         comm.all_reduce(total, tag="clip_grad_norm", group=group)
         total = total.pow(1.0 / p)
     # END EXERCISE
-    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)  # torch's formula, so the results agree
+    # torch's formula, so the results agree
+    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
     for g in grads if scaled is None else scaled:
-        g.mul_(coef.to(g.device))  # in place, where each gradient lives (CPU offload: the host)
+        # in place, where each gradient lives (CPU offload: the host)
+        g.mul_(coef.to(g.device))
     return total
 # --8<-- [end:clip]

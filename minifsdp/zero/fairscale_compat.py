@@ -86,21 +86,27 @@ class FairScaleMethods:
         if now != self._trainable:
             changed = sorted(self._names[p] for p in now ^ self._trainable)
             if not self.auto_refresh_trainable:
-                raise RuntimeError(f"the set of trainable parameters changed since {type(self).__name__} was "
-                                   f"built ({changed}); call refresh_trainable() so their gradients are routed")
+                raise RuntimeError(
+                    f"the set of trainable parameters changed since "
+                    f"{type(self).__name__} was built ({changed}); call "
+                    f"refresh_trainable() so their gradients are routed")
             if self.warn_on_trainable_params_changed:
-                warnings.warn(f"{type(self).__name__}: the trainable parameters changed ({changed}); "
-                              f"re-planning the buckets (auto_refresh_trainable=True)", stacklevel=3)
+                warnings.warn(
+                    f"{type(self).__name__}: the trainable parameters "
+                    f"changed ({changed}); re-planning the buckets "
+                    f"(auto_refresh_trainable=True)", stacklevel=3)
             self.refresh_trainable()
-        for handle in self._buffer_broadcasts:  # forward reads the buffers: they must have arrived
+        # forward reads the buffers: they must have arrived
+        for handle in self._buffer_broadcasts:
             handle.wait()
         self._buffer_broadcasts = []
         if torch.is_grad_enabled():
             self._grads_to_reduce = not self.require_backward_grad_sync
 
     def refresh_trainable(self) -> None:
-        """Re-plan after parameters were frozen or unfrozen: the optimizer's part, then the buckets and the
-        hooks (DDP's). Call it on every rank, before the next forward: the buckets must match."""
+        """Re-plan after parameters were frozen or unfrozen: the optimizer's
+        part, then the buckets and the hooks (DDP's). Call it on every rank,
+        before the next forward: the buckets must match."""
         self._refresh_optimizer()
         self._setup_buckets_and_hooks()
         self._trainable = self._trainable_now()

@@ -53,27 +53,34 @@ from minifsdp.zero.clip import clip_sharded_grad_norm_
 from minifsdp.zero.oss import require_optimizer_class
 
 # --8<-- [start:layout]
-# Each param starts on a 64-byte boundary, as it would in a tensor of its own: CPU matrix kernels take
-# another code path (so round differently) for unaligned data, and the params must compute as DDP's do.
+# Each param starts on a 64-byte boundary, as it would in a tensor of its own:
+# CPU matrix kernels take another code path (so round differently) for
+# unaligned data, and the params must compute as DDP's do.
 ALIGN_BYTES = 64
 
 
-def flat_layout(numels: list[int], world_size: int, align: int = 1) -> tuple[list[int], int]:
-    """Tensors of `numels` elements end to end in one flat buffer: where each starts (on a multiple of
-    `align` elements), and the buffer's size, padded to N equal chunks (and to `align`, so that a buffer
-    laid out after this one starts aligned too). The one flattening rule of every flat design here:
-    FlatOSS's buckets, and FSDP's FlatParameter (chapter 5)."""
+def flat_layout(numels: list[int], world_size: int,
+                align: int = 1) -> tuple[list[int], int]:
+    """Tensors of `numels` elements end to end in one flat buffer: where each
+    starts (on a multiple of `align` elements), and the buffer's size, padded
+    to N equal chunks (and to `align`, so that a buffer laid out after this
+    one starts aligned too). The one flattening rule of every flat design
+    here: FlatOSS's buckets, and FSDP's FlatParameter (chapter 5)."""
     offsets, end = [], 0
     for numel in numels:
         offsets.append(-(-end // align) * align)
         end = offsets[-1] + numel
-    unit = math.lcm(align, world_size)  # a multiple of N, and the next buffer starts aligned
+    # a multiple of N, and the next buffer starts aligned
+    unit = math.lcm(align, world_size)
     return offsets, -(-end // unit) * unit
 
 
-def _layout(params: list[nn.Parameter], world_size: int) -> tuple[list[int], int]:
-    """Where each param starts in its bucket, and the bucket's padded size (N equal chunks, aligned)."""
-    return flat_layout([p.numel() for p in params], world_size, max(1, ALIGN_BYTES // params[0].element_size()))
+def _layout(params: list[nn.Parameter],
+            world_size: int) -> tuple[list[int], int]:
+    """Where each param starts in its bucket, and the bucket's padded size
+    (N equal chunks, aligned)."""
+    align = max(1, ALIGN_BYTES // params[0].element_size())
+    return flat_layout([p.numel() for p in params], world_size, align)
 # --8<-- [end:layout]
 
 
@@ -161,24 +168,31 @@ class FlatOSS(torch.optim.Optimizer):
     def _lay_out(self) -> None:
         """Lay the trainable parameters end to end in flat buffers, bucket by bucket; each becomes a view."""
         # --8<-- [start:buffers]
-        cap = math.inf if self.bucket_cap_mb is None else self.bucket_cap_mb * 1024 * 1024
+        cap = (math.inf if self.bucket_cap_mb is None
+               else self.bucket_cap_mb * 1024 * 1024)
         self.buckets, self._buffers = [], []
         for g, param_group in enumerate(self.param_groups):
-            # Frozen params are never communicated; a param listed twice is laid out once.
-            trainable = list(dict.fromkeys(p for p in param_group["params"] if p.requires_grad))
+            # Frozen params are never communicated; a param listed twice is
+            # laid out once.
+            trainable = list(dict.fromkeys(p for p in param_group["params"]
+                                           if p.requires_grad))
             if not trainable:
                 continue
             if len({(p.dtype, p.device) for p in trainable}) > 1:
-                raise ValueError(f"param group {g} mixes dtypes or devices; one flat buffer needs one of each")
-            # Reverse registration order, registration order inside a bucket: as ddp.py packs its buckets.
+                raise ValueError(f"param group {g} mixes dtypes or devices; "
+                                 f"one flat buffer needs one of each")
+            # Reverse registration order, registration order inside a bucket:
+            # as ddp.py packs its buckets.
             groups = [b[::-1] for b in _pack(trainable[::-1], cap)]
             layouts = [_layout(b, self.world_size) for b in groups]
-            buffer = torch.zeros(sum(size for _, size in layouts), dtype=trainable[0].dtype,
+            buffer = torch.zeros(sum(size for _, size in layouts),
+                                 dtype=trainable[0].dtype,
                                  device=trainable[0].device)
             self._buffers.append(buffer)
             start = 0
             for bucket_params, (offsets, size) in zip(groups, layouts):
-                bucket = FlatBucket(g, bucket_params, offsets, buffer[start: start + size], self.rank,
+                bucket = FlatBucket(g, bucket_params, offsets,
+                                    buffer[start: start + size], self.rank,
                                     self.world_size)
                 for p, offset in zip(bucket_params, bucket.offsets):
                     view = bucket.flat[offset: offset + p.numel()].view_as(p)
@@ -246,23 +260,30 @@ class FlatOSS(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._check_layout()  # a parameter frozen since would be stepped, one unfrozen since would not
-        # Our param_groups are the ones an LR scheduler writes to; the local optimizer must follow them.
+        # a parameter frozen since would be stepped, one unfrozen since would not
+        self._check_layout()
+        # Our param_groups are the ones an LR scheduler writes to; the local
+        # optimizer must follow them.
         for b, local_group in zip(self.buckets, self._local.param_groups):
             local_group.update(self._hyper(b.group))
-        # BEGIN EXERCISE 3.3: reduce-scatter the gradients into the owned slices, step them, all-gather the params
+        # BEGIN EXERCISE 3.3: reduce-scatter the grads, step the shards, all-gather
         for b in self.buckets:
             if self.reduce_in_step and not self._grads_reduced:
                 if b.shard.grad is None:
                     b.shard.grad = torch.empty_like(b.shard)
-                comm.reduce_scatter(b.shard.grad, b.flat_grad(1.0 / self.world_size), tag="grads", group=self.group)
+                comm.reduce_scatter(b.shard.grad,
+                                    b.flat_grad(1.0 / self.world_size),
+                                    tag="grads", group=self.group)
             elif b.shard.grad is None:
-                b.shard.grad = torch.zeros_like(b.shard)  # no backward since zero_grad(): a zero gradient
+                # no backward since zero_grad(): a zero gradient
+                b.shard.grad = torch.zeros_like(b.shard)
         self._local.step()
         for b in self.buckets:
             if self.broadcast_fp16:
                 self._all_gather_in_fp16(b)
-            else:  # in place (the input is chunk `rank` of the output), as NCCL allows and llm.c does: no copy
+            else:
+                # in place (the input is chunk `rank` of the output), as NCCL
+                # allows and llm.c does: no copy
                 comm.all_gather(b.flat, b.shard, tag="params", group=self.group)
         # END EXERCISE
         self._grads_reduced, self._consolidated = False, None

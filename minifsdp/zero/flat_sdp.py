@@ -108,14 +108,20 @@ class FlatShardedDataParallel(FairScaleMethods, DistributedDataParallel):
 
     # --8<-- [start:launch]
     def _launch(self, bucket: _Bucket) -> None:
-        # The previous reduce-scatter had this bucket's backward to finish: hand it over, free its input now.
-        # At most one in flight, as in torch's FSDP2, and a fixed rule, so memory is the same in every run.
+        # The previous reduce-scatter had this bucket's backward to finish:
+        # hand it over, free its input now.
+        # At most one in flight, as in torch's FSDP2, and a fixed rule, so
+        # memory is the same in every run.
         self._retire()
-        layout = self._flat_buckets[self._next]  # the FlatOSS's bucket: where these params live, flat
-        # BEGIN EXERCISE 4.2: reduce-scatter the bucket's averaged gradients (async), free the full grads
-        flat = layout.flat_grad(1.0 / self.world_size, self.reduce_dtype, release=True)  # .grad dropped as copied
+        # the FlatOSS's bucket: where these params live, flat
+        layout = self._flat_buckets[self._next]
+        # BEGIN EXERCISE 4.2: reduce-scatter averaged grads (async), free full grads
+        # .grad dropped as copied
+        flat = layout.flat_grad(1.0 / self.world_size, self.reduce_dtype,
+                                release=True)
         chunk = torch.empty_like(layout.shard, dtype=flat.dtype)
-        handle = comm.reduce_scatter(chunk, flat, async_op=True, tag=f"bucket{self._next}",
+        handle = comm.reduce_scatter(chunk, flat, async_op=True,
+                                     tag=f"bucket{self._next}",
                                      group=self.process_group)
         self._in_flight.append((layout, chunk, flat, handle))
         # END EXERCISE

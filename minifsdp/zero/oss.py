@@ -30,14 +30,17 @@ from minifsdp.zero.clip import clip_sharded_grad_norm_
 
 
 # --8<-- [start:partition]
-def partition_parameters(param_groups: list[dict], world_size: int) -> list[list[dict]]:
-    """partition[rank][group_index] = that group (its hyper-parameters) with only the params `rank` owns."""
+def partition_parameters(param_groups: list[dict],
+                         world_size: int) -> list[list[dict]]:
+    """partition[rank][group_index] = that group (its hyper-parameters) with
+    only the params `rank` owns."""
     sizes = [0] * world_size
     partition = [[] for _ in range(world_size)]
     for group in param_groups:
         owned = [[] for _ in range(world_size)]
-        # BEGIN EXERCISE 3.1: greedy partition, largest parameter first, to the least-loaded rank
-        for p in sorted(group["params"], key=lambda p: p.numel(), reverse=True):  # stable: same on every rank
+        # BEGIN EXERCISE 3.1: greedy: largest first, to the least-loaded rank
+        # stable: same on every rank
+        for p in sorted(group["params"], key=lambda p: p.numel(), reverse=True):
             rank = sizes.index(min(sizes))
             owned[rank].append(p)
             sizes[rank] += p.numel()
@@ -97,26 +100,37 @@ class OSS(torch.optim.Optimizer):
     """
 
     # --8<-- [start:init]
-    def __init__(self, params, optim: type[torch.optim.Optimizer] = torch.optim.SGD, group=None,
-                 broadcast_buffer_size: int = -1, broadcast_fp16: bool = False, force_broadcast_object: bool = False,
+    def __init__(self, params,
+                 optim: type[torch.optim.Optimizer] = torch.optim.SGD,
+                 group=None, broadcast_buffer_size: int = -1,
+                 broadcast_fp16: bool = False,
+                 force_broadcast_object: bool = False,
                  param_sync: str = "broadcast", **defaults):
         comm.require_process_group()
         require_optimizer_class(optim, "OSS")
         if param_sync not in ("broadcast", "all_gather"):
-            raise ValueError(f"param_sync must be 'broadcast' or 'all_gather', not {param_sync!r}")
+            raise ValueError(f"param_sync must be 'broadcast' or "
+                             f"'all_gather', not {param_sync!r}")
         if param_sync == "all_gather" and broadcast_buffer_size > 0:
-            raise ValueError("broadcast_buffer_size cuts the owners' broadcasts into buckets; "
-                             "param_sync='all_gather' sends every share in one collective, so it has none to cut")
+            raise ValueError("broadcast_buffer_size cuts the owners' broadcasts "
+                             "into buckets; param_sync='all_gather' sends "
+                             "every share in one collective, so it has none "
+                             "to cut")
         self.group = group
         self.rank, self.world_size = comm.rank(group), comm.world_size(group)
         self.optim_class, self.param_sync = optim, param_sync
-        self.broadcast_buffer_size, self.broadcast_fp16 = broadcast_buffer_size, broadcast_fp16
-        super().__init__(params, defaults)  # builds and checks self.param_groups (e.g. duplicates)
-        comm.assert_same_across_ranks([(f"param {i}", p) for i, p in enumerate(self._all_params())], group=group)
+        self.broadcast_buffer_size = broadcast_buffer_size
+        self.broadcast_fp16 = broadcast_fp16
+        # builds and checks self.param_groups (e.g. duplicates)
+        super().__init__(params, defaults)
+        comm.assert_same_across_ranks(
+            [(f"param {i}", p) for i, p in enumerate(self._all_params())],
+            group=group)
         self._partition = partition_parameters(self.param_groups, self.world_size)
         self.optim = optim(self._partition[self.rank], **defaults)
         self._fill_defaults()
-        self.state = self.optim.state  # the state that exists is the local one (the meter reads it here)
+        # the state that exists is the local one (the meter reads it here)
+        self.state = self.optim.state
     # --8<-- [end:init]
 
     def _all_params(self) -> list[torch.Tensor]:
@@ -149,15 +163,18 @@ class OSS(torch.optim.Optimizer):
         super().add_param_group(param_group)
         if not hasattr(self, "optim"):
             return  # called from __init__, before the partition exists
-        # Re-partitioning everything would move existing state between ranks; the greedy partition of
-        # the earlier groups does not depend on later ones, so only the new group needs placing.
+        # Re-partitioning everything would move existing state between ranks;
+        # the greedy partition of the earlier groups does not depend on later
+        # ones, so only the new group needs placing.
         self._partition = partition_parameters(self.param_groups, self.world_size)
         self.optim.add_param_group(self._partition[self.rank][-1])
         self._fill_defaults()
 
     def _fill_defaults(self) -> None:
-        """Give the global groups every hyper-parameter the optimizer class defaults (as a plain one has)."""
-        for global_group, local_group in zip(self.param_groups, self.optim.param_groups):
+        """Give the global groups every hyper-parameter the optimizer class
+        defaults (as a plain one has)."""
+        for global_group, local_group in zip(self.param_groups,
+                                             self.optim.param_groups):
             for k, v in local_group.items():
                 global_group.setdefault(k, v)
     # --8<-- [end:param_groups]
@@ -165,41 +182,52 @@ class OSS(torch.optim.Optimizer):
     # --8<-- [start:step]
     @torch.no_grad()
     def step(self, closure=None):
-        # LR schedulers change self.param_groups: carry every hyper-parameter over to the local groups
-        for global_group, local_group in zip(self.param_groups, self.optim.param_groups):
-            local_group.update({k: v for k, v in global_group.items() if k != "params"})
+        # LR schedulers change self.param_groups: carry every hyper-parameter
+        # over to the local groups
+        for global_group, local_group in zip(self.param_groups,
+                                             self.optim.param_groups):
+            local_group.update({k: v for k, v in global_group.items()
+                                if k != "params"})
         loss = self.optim.step(closure)
         self._sync_params()
         return loss
 
     def _sync_params(self) -> None:
-        """Make every replica current: each rank's updated parameters go to everyone."""
+        """Make every replica current: each rank's updated parameters go to
+        everyone."""
         # Frozen parameters never change, so they are never sent.
-        shares = [[p for p in self.owned_params(r) if p.requires_grad] for r in range(self.world_size)]
+        shares = [[p for p in self.owned_params(r) if p.requires_grad]
+                  for r in range(self.world_size)]
         if self.param_sync == "all_gather":
             return self._all_gather_params(shares)
         for owner, share in enumerate(shares):
             if not share:
                 continue
             wire = torch.float16 if self.broadcast_fp16 else share[0].dtype
-            # one flat bucket per owner, or buckets of at most broadcast_buffer_size elements
+            # one flat bucket per owner, or buckets of at most
+            # broadcast_buffer_size elements
             cap = self.broadcast_buffer_size * share[0].element_size()
             for params in _pack(share, cap) if cap > 0 else [share]:
-                # BEGIN EXERCISE 3.2: the owner broadcasts its updated parameters (one flat tensor in `wire`) to all
+                # BEGIN EXERCISE 3.2: owner broadcasts its params (flat, in `wire`)
                 if owner == self.rank:
                     flat = _flatten(params).to(wire)
                 else:
                     flat = params[0].new_empty(_numel(params), dtype=wire)
-                comm.broadcast(flat, src=owner, tag=f"params of rank {owner}", group=self.group)
-                if owner != self.rank or wire != params[0].dtype:  # sent rounded: the owner takes what all got
+                comm.broadcast(flat, src=owner, tag=f"params of rank {owner}",
+                               group=self.group)
+                # sent rounded: the owner takes what all got
+                if owner != self.rank or wire != params[0].dtype:
                     _unflatten_into(flat, params)
-                comm.release(flat)  # before the next bucket is allocated: one bucket-sized buffer at a time
+                # before the next bucket is allocated: one bucket-sized buffer
+                # at a time
+                comm.release(flat)
                 # END EXERCISE
     # --8<-- [end:step]
 
     # --8<-- [start:all_gather]
     def _all_gather_params(self, shares) -> None:
-        """One all-gather instead of N broadcasts: fewer calls, but every share is padded to the largest."""
+        """One all-gather instead of N broadcasts: fewer calls, but every share
+        is padded to the largest."""
         width = max(_numel(s) for s in shares)
         dtype = next((p.dtype for s in shares for p in s), None)
         if dtype is None:
@@ -212,7 +240,8 @@ class OSS(torch.optim.Optimizer):
         comm.all_gather(everything, mine, tag="params", group=self.group)
         for owner, params in enumerate(shares):
             if params and (owner != self.rank or wire != dtype):
-                _unflatten_into(everything[owner * width: owner * width + _numel(params)], params)
+                start = owner * width
+                _unflatten_into(everything[start: start + _numel(params)], params)
     # --8<-- [end:all_gather]
 
     # -- state dicts: one full state, in the format of a plain optimizer over the same parameters ----------
@@ -220,15 +249,20 @@ class OSS(torch.optim.Optimizer):
         return {p: i for i, p in enumerate(self._all_params())}
 
     # --8<-- [start:state_dict]
-    def consolidate_state_dict(self, recipient_rank: int = 0, to: int | None = None) -> None:
-        """Gather every rank's shard of the state into one full state dict, kept on rank `recipient_rank`
-        (-1: on every rank). `to` is another name for recipient_rank."""
+    def consolidate_state_dict(self, recipient_rank: int = 0,
+                               to: int | None = None) -> None:
+        """Gather every rank's shard of the state into one full state dict,
+        kept on rank `recipient_rank` (-1: on every rank). `to` is another name
+        for recipient_rank."""
         recipient = recipient_rank if to is None else to
         index = self._global_index()
         local = self.optim.state_dict()
-        local_params = [p for group in self.optim.param_groups for p in group["params"]]
-        # local state is keyed by position in the local optimizer; re-key it by global position
-        mine = {index[local_params[i]]: {k: (v.cpu() if torch.is_tensor(v) else v) for k, v in s.items()}
+        local_params = [p for group in self.optim.param_groups
+                        for p in group["params"]]
+        # local state is keyed by position in the local optimizer; re-key it
+        # by global position
+        mine = {index[local_params[i]]: {k: (v.cpu() if torch.is_tensor(v) else v)
+                                         for k, v in s.items()}
                 for i, s in local["state"].items()}
         shards = comm.all_gather_object(mine, group=self.group)
         self._consolidated = None
@@ -236,21 +270,26 @@ class OSS(torch.optim.Optimizer):
             state = {k: v for shard in shards for k, v in shard.items()}
             groups, start = [], 0
             for group in self.param_groups:
-                groups.append({**{k: v for k, v in group.items() if k != "params"},
-                               "params": list(range(start, start + len(group["params"])))})
+                hyper = {k: v for k, v in group.items() if k != "params"}
+                ids = list(range(start, start + len(group["params"])))
+                groups.append({**hyper, "params": ids})
                 start += len(group["params"])
-            self._consolidated = {"state": dict(sorted(state.items())), "param_groups": groups}
+            self._consolidated = {"state": dict(sorted(state.items())),
+                                  "param_groups": groups}
 
     def state_dict(self, all_ranks: bool = False) -> dict:
-        """The full state from the last consolidate_state_dict() kept here; all_ranks=True consolidates it
-        on every rank now (a collective: call it on every rank)."""
+        """The full state from the last consolidate_state_dict() kept here;
+        all_ranks=True consolidates it on every rank now (a collective: call it
+        on every rank)."""
         if all_ranks:
             self.consolidate_state_dict(recipient_rank=-1)
         consolidated = getattr(self, "_consolidated", None)
         if consolidated is None:
-            raise RuntimeError("OSS.state_dict() returns the full state, which no single rank holds: call "
-                               "consolidate_state_dict(recipient_rank=r) on every rank first, then state_dict() "
-                               "on rank r (or state_dict(all_ranks=True) on every rank)")
+            raise RuntimeError(
+                "OSS.state_dict() returns the full state, which no single "
+                "rank holds: call consolidate_state_dict(recipient_rank=r) on "
+                "every rank first, then state_dict() on rank r (or "
+                "state_dict(all_ranks=True) on every rank)")
         return consolidated
     # --8<-- [end:state_dict]
 

@@ -51,51 +51,71 @@ class ShardedDataParallel(FairScaleMethods, DistributedDataParallel):
     rebuild_buckets = False  # buckets are grouped by owner; a rebuild by arrival order would mix owners
 
     # --8<-- [start:init]
-    def __init__(self, module: nn.Module, sharded_optimizer: OSS, process_group=None, broadcast_buffers: bool = True,
-                 sync_models_at_startup: bool = True, reduce_buffer_size: int = FAIRSCALE_REDUCE_BUFFER_SIZE,
+    def __init__(self, module: nn.Module, sharded_optimizer: OSS,
+                 process_group=None, broadcast_buffers: bool = True,
+                 sync_models_at_startup: bool = True,
+                 reduce_buffer_size: int = FAIRSCALE_REDUCE_BUFFER_SIZE,
                  auto_refresh_trainable: bool = True, reduce_fp16: bool = False,
-                 warn_on_trainable_params_changed: bool = True, *, bucket_cap_mb: float | None = None,
+                 warn_on_trainable_params_changed: bool = True, *,
+                 bucket_cap_mb: float | None = None,
                  find_unused_parameters: bool = False, mixed_precision=None):
         if not isinstance(sharded_optimizer, OSS):
-            raise TypeError(f"ShardedDataParallel needs a sharded optimizer (minifsdp.OSS) to know which rank "
-                            f"owns each gradient; got {type(sharded_optimizer).__name__}. Wrap it: "
-                            f"OSS(model.parameters(), optim={type(sharded_optimizer).__name__}, ...)")
+            name = type(sharded_optimizer).__name__
+            raise TypeError(f"ShardedDataParallel needs a sharded optimizer "
+                            f"(minifsdp.OSS) to know which rank owns each "
+                            f"gradient; got {name}. Wrap it: "
+                            f"OSS(model.parameters(), optim={name}, ...)")
         if process_group is None:
             process_group = sharded_optimizer.group
-        elif comm.group_ranks(process_group) != comm.group_ranks(sharded_optimizer.group):
-            raise ValueError("ShardedDataParallel(process_group=...) must be the group its OSS shards over "
-                             "(OSS(..., group=...)): owner ranks are ranks of that group")
+        elif (comm.group_ranks(process_group)
+              != comm.group_ranks(sharded_optimizer.group)):
+            raise ValueError("ShardedDataParallel(process_group=...) must be "
+                             "the group its OSS shards over "
+                             "(OSS(..., group=...)): owner ranks are ranks of "
+                             "that group")
         self.sharded_optimizer = sharded_optimizer
         self.rank = comm.rank(process_group)
         self._reduced, self._saved = set(), {}  # see forward
-        self._sent = []  # buckets this rank reduced to another owner, still in flight (_retire_sent)
-        super().__init__(module, bucket_cap_mb_from(reduce_buffer_size, bucket_cap_mb, module), broadcast_buffers,
-                         find_unused_parameters, fp16_reduction(reduce_fp16, mixed_precision), process_group,
-                         init_sync=sync_models_at_startup)
-        self._init_fairscale(sync_models_at_startup, auto_refresh_trainable, warn_on_trainable_params_changed)
+        # buckets this rank reduced to another owner, still in flight
+        # (_retire_sent)
+        self._sent = []
+        super().__init__(
+            module, bucket_cap_mb_from(reduce_buffer_size, bucket_cap_mb, module),
+            broadcast_buffers, find_unused_parameters,
+            fp16_reduction(reduce_fp16, mixed_precision), process_group,
+            init_sync=sync_models_at_startup)
+        self._init_fairscale(sync_models_at_startup, auto_refresh_trainable,
+                             warn_on_trainable_params_changed)
 
     def _owners(self) -> dict:
-        owner = {p: r for r in range(self.world_size) for p in self.sharded_optimizer.owned_params(r)}
+        owner = {p: r for r in range(self.world_size)
+                 for p in self.sharded_optimizer.owned_params(r)}
         for name, p in self.module.named_parameters():
             if p.requires_grad and p not in owner:
-                raise ValueError(f"parameter {name!r} requires grad but is not in the sharded optimizer, so no "
-                                 f"rank owns its gradient. Build the OSS over module.parameters().")
+                raise ValueError(f"parameter {name!r} requires grad but is not "
+                                 f"in the sharded optimizer, so no rank owns its "
+                                 f"gradient. Build the OSS over "
+                                 f"module.parameters().")
         return owner
     # --8<-- [end:init]
 
     # --8<-- [start:bucket_groups]
-    def _bucket_groups(self, params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
-        """Buckets of one owner each, in the order they fill up as backward produces gradients."""
+    def _bucket_groups(
+            self, params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
+        """Buckets of one owner each, in the order they fill up as backward
+        produces gradients."""
         owner = self._owners()
         open_buckets, sizes, groups = {}, {}, []
         for p in reversed(params):  # the order backward produces gradients
             r = owner[p]
             nbytes = p.numel() * p.element_size()
             if open_buckets and sum(sizes.values()) + nbytes > self._cap:
-                # The open buckets, one per owner, together wait for no more than one cap, as DDP's one open
-                # bucket does: the fullest is launched now. Were each owner's bucket allowed a whole cap, N
-                # caps of gradients could wait unsent; and since OSS deals the parameters out across the
-                # whole model, a cap as large as a share (FairScale's default) fills only at backward's end.
+                # The open buckets, one per owner, together wait for no more
+                # than one cap, as DDP's one open bucket does: the fullest is
+                # launched now. Were each owner's bucket allowed a whole cap,
+                # N caps of gradients could wait unsent; and since OSS deals
+                # the parameters out across the whole model, a cap as large as
+                # a share (FairScale's default) fills only at backward's end.
                 fullest = max(sizes, key=sizes.get)
                 groups.append(open_buckets.pop(fullest))
                 del sizes[fullest]
@@ -128,11 +148,16 @@ class ShardedDataParallel(FairScaleMethods, DistributedDataParallel):
 
     # --8<-- [start:launch]
     def _launch(self, bucket: _Bucket) -> None:
-        self._retire_sent()  # the previous send had this bucket's backward to finish: its flat copy goes now
-        bucket.had_grad = [p.grad is not None for p in bucket.params]  # (for the owner's write-back)
-        # BEGIN EXERCISE 4.1: flatten the bucket, dropping its gradients as they are copied; reduce it to its owner
-        bucket.flat = self._flatten(bucket, release=True)  # every rank: the owner gets the sum back in `flat`
-        bucket.handle = comm.reduce(bucket.flat, dst=bucket.owner, async_op=True, tag=f"bucket{self._next}",
+        # the previous send had this bucket's backward to finish: its flat
+        # copy goes now
+        self._retire_sent()
+        # for the owner's write-back
+        bucket.had_grad = [p.grad is not None for p in bucket.params]
+        # BEGIN EXERCISE 4.1: flatten, dropping grads as copied; reduce to the owner
+        # every rank: the owner gets the sum back in `flat`
+        bucket.flat = self._flatten(bucket, release=True)
+        bucket.handle = comm.reduce(bucket.flat, dst=bucket.owner,
+                                    async_op=True, tag=f"bucket{self._next}",
                                     group=self.process_group)
         if bucket.owner != self.rank:
             self._sent.append(bucket)  # scratch once the reduce is done
@@ -141,10 +166,12 @@ class ShardedDataParallel(FairScaleMethods, DistributedDataParallel):
 
     # --8<-- [start:retire]
     def _retire_sent(self) -> None:
-        """Let go of the flat copies this rank sent to other owners. Kept until backward ends, they would add
-        up to the 4Ψ(N-1)/N ZeRO-2 is meant to save. At most one send is in flight, as in torch's FSDP2 (each
-        reduce-scatter's input is freed when the next one is issued): a fixed rule, not "whichever happens
-        to have finished", so memory is the same from run to run; and the wait rarely blocks."""
+        """Let go of the flat copies this rank sent to other owners. Kept until
+        backward ends, they would add up to the 4Ψ(N-1)/N ZeRO-2 is meant to
+        save. At most one send is in flight, as in torch's FSDP2 (each
+        reduce-scatter's input is freed when the next one is issued): a fixed
+        rule, not "whichever happens to have finished", so memory is the same
+        from run to run; and the wait rarely blocks."""
         for bucket in self._sent:
             bucket.handle.wait()
             comm.release(bucket.flat)
@@ -158,14 +185,17 @@ class ShardedDataParallel(FairScaleMethods, DistributedDataParallel):
             self._retire_sent()  # (the last one sent)
             return
         bucket.handle.wait()
-        # The owner's gradients become views of the reduced flat bucket: no second copy of them.
+        # The owner's gradients become views of the reduced flat bucket: no
+        # second copy of them.
         offset = 0
         for p, had_grad in zip(bucket.params, bucket.had_grad):
             average = bucket.flat[offset: offset + p.numel()].view_as(p)
             offset += p.numel()
             if had_grad or globally_used is None or globally_used[p]:
-                p.grad = average if average.dtype == p.dtype else average.to(p.dtype)
-            saved = self._saved.pop(p, None)  # an earlier backward's average (see forward)
+                p.grad = (average if average.dtype == p.dtype
+                          else average.to(p.dtype))
+            # an earlier backward's average (see forward)
+            saved = self._saved.pop(p, None)
             if saved is not None:
                 p.grad = saved if p.grad is None else p.grad.add_(saved)
             self._reduced.add(p)
