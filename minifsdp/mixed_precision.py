@@ -41,14 +41,19 @@ LOW_PRECISION = (torch.bfloat16, torch.float16)
 # --8<-- [start:policies]
 @dataclass(frozen=True)
 class MixedPrecision:
-    """PyTorch FSDP's policy. None means "leave it in the parameters' own dtype (fp32)".
+    """PyTorch FSDP's policy. None means "leave it in the parameters' own
+    dtype (fp32)".
 
-    param_dtype:  what forward and backward compute in (the all-gathered parameters' dtype).
+    param_dtype:  what forward and backward compute in (the all-gathered
+                  parameters' dtype).
     reduce_dtype: what gradients are averaged in; None: param_dtype.
-    buffer_dtype: what buffers (e.g. BatchNorm statistics) are kept in; None: as built.
-    _module_classes_to_ignore: FSDP with an auto_wrap_policy only, as in PyTorch's FSDP1 (its spelling and its
-                  default, BatchNorm): every module of these classes becomes a unit of its own without mixed
-                  precision, its floating inputs cast to fp32 and its outputs back (keep_full_precision).
+    buffer_dtype: what buffers (e.g. BatchNorm statistics) are kept in;
+                  None: as built.
+    _module_classes_to_ignore: FSDP with an auto_wrap_policy only, as in
+                  PyTorch's FSDP1 (its spelling and its default, BatchNorm):
+                  every module of these classes becomes a unit of its own
+                  without mixed precision, its floating inputs cast to fp32
+                  and its outputs back (keep_full_precision).
     """
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
@@ -58,13 +63,18 @@ class MixedPrecision:
     def __post_init__(self):
         for field in ("param_dtype", "reduce_dtype", "buffer_dtype"):
             dtype = getattr(self, field)
-            if dtype is not None and dtype not in (torch.float32, *LOW_PRECISION):
-                raise ValueError(f"MixedPrecision({field}={dtype}): only torch.float32, torch.bfloat16 and "
+            if (dtype is not None
+                    and dtype not in (torch.float32, *LOW_PRECISION)):
+                raise ValueError(f"MixedPrecision({field}={dtype}): only "
+                                 f"torch.float32, torch.bfloat16 and "
                                  f"torch.float16 are supported")
         if {self.param_dtype, self.reduce_dtype} >= set(LOW_PRECISION):
-            raise ValueError(f"MixedPrecision(param_dtype={self.param_dtype}, reduce_dtype={self.reduce_dtype}) "
-                             f"mixes the two 16-bit formats: bf16 gradients can exceed fp16's range (65504), "
-                             f"and fp16 ones lose bf16's range for nothing. Reduce in the same dtype or in fp32")
+            raise ValueError(
+                f"MixedPrecision(param_dtype={self.param_dtype}, "
+                f"reduce_dtype={self.reduce_dtype}) mixes the two 16-bit "
+                f"formats: bf16 gradients can exceed fp16's range (65504), "
+                f"and fp16 ones lose bf16's range for nothing. Reduce in the "
+                f"same dtype or in fp32")
 
     @property
     def grad_dtype(self) -> torch.dtype | None:
@@ -77,7 +87,8 @@ class MixedPrecision:
 
 @dataclass(frozen=True)
 class CPUOffload:
-    """Keep the sharded parameters (and so their gradients and optimizer state) in host memory."""
+    """Keep the sharded parameters (and so their gradients and optimizer
+    state) in host memory."""
     offload_params: bool = False
 # --8<-- [end:policies]
 
@@ -112,20 +123,30 @@ def cast_buffers(module: torch.nn.Module, policy: MixedPrecision | None, recurse
 
 # --8<-- [start:keep_full_precision]
 def keep_full_precision(module: torch.nn.Module) -> None:
-    """A module left out of mixed precision (MixedPrecision._module_classes_to_ignore) computes in fp32 among
-    layers that compute in param_dtype: its floating inputs are cast to fp32 before its forward, and its
-    floating outputs back to the inputs' dtype after, so the layers after it see param_dtype again. The hooks
-    of PyTorch's FSDP1, registered last, after any of the user's."""
+    """A module left out of mixed precision
+    (MixedPrecision._module_classes_to_ignore) computes in fp32 among layers
+    that compute in param_dtype: its floating inputs are cast to fp32 before
+    its forward, and its floating outputs back to the inputs' dtype after, so
+    the layers after it see param_dtype again. The hooks of PyTorch's FSDP1,
+    registered last, after any of the user's."""
     def to_fp32(mod, args):
-        dtypes = {t.dtype for t in tree_leaves(args) if isinstance(t, torch.Tensor) and t.is_floating_point()}
-        mod._input_dtype = next(iter(dtypes - {torch.float32}), None)  # None: nothing to cast back
-        return tree_map(lambda t: t.float() if isinstance(t, torch.Tensor) and t.is_floating_point() else t, args)
+        dtypes = {t.dtype for t in tree_leaves(args)
+                  if isinstance(t, torch.Tensor) and t.is_floating_point()}
+        # None: nothing to cast back
+        mod._input_dtype = next(iter(dtypes - {torch.float32}), None)
+        return tree_map(
+            lambda t: t.float()
+            if isinstance(t, torch.Tensor) and t.is_floating_point() else t,
+            args)
 
     def back(mod, args, output):
         dtype = mod._input_dtype
         if dtype is None:
             return output
-        return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, output)
+        return tree_map(
+            lambda t: t.to(dtype)
+            if isinstance(t, torch.Tensor) and t.is_floating_point() else t,
+            output)
 
     module.register_forward_pre_hook(to_fp32)
     module.register_forward_hook(back)
@@ -144,25 +165,34 @@ def cast_inputs(policy: MixedPrecision | None, args, kwargs):
 
 
 # --8<-- [start:scaler]
-_scaled_losses = 0  # how many losses a ShardedGradScaler has scaled in this process (see warn_if_unscaled)
+# how many losses a ShardedGradScaler has scaled in this process
+# (see warn_if_unscaled)
+_scaled_losses = 0
 
 
 class ShardedGradScaler:
-    """Dynamic loss scaling for fp16 whose skip decision is the same on every rank (torch.amp.GradScaler's
-    arguments and behaviour, plus that agreement).
+    """Dynamic loss scaling for fp16 whose skip decision is the same on every
+    rank (torch.amp.GradScaler's arguments and behaviour, plus that
+    agreement).
 
         scaler.scale(loss).backward()
-        scaler.step(optimizer)      # unscale, and step only if no rank saw an inf or a nan
-        scaler.update()             # halve the scale after an overflow; double it after growth_interval
+        # unscale, and step only if no rank saw an inf or a nan
+        scaler.step(optimizer)
+        # halve the scale after an overflow; double it after growth_interval
+        scaler.update()
     """
 
-    def __init__(self, init_scale: float = 2.0 ** 16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
+    def __init__(self, init_scale: float = 2.0 ** 16,
+                 growth_factor: float = 2.0, backoff_factor: float = 0.5,
                  growth_interval: int = 2000, enabled: bool = True):
-        self.scale_value, self.growth_factor, self.backoff_factor = init_scale, growth_factor, backoff_factor
+        self.scale_value, self.growth_factor, self.backoff_factor = (
+            init_scale, growth_factor, backoff_factor)
         self.growth_interval, self.enabled = growth_interval, enabled
         self._growth_tracker = 0
-        self._found_inf = {}        # id(optimizer) -> this step's agreed flag, once unscaled
-        self.local_found_inf = []   # per step: did *this rank's* gradients overflow (for the tests)
+        # id(optimizer) -> this step's agreed flag, once unscaled
+        self._found_inf = {}
+        # per step: did *this rank's* gradients overflow (for the tests)
+        self.local_found_inf = []
 
     def get_scale(self) -> float:
         return self.scale_value if self.enabled else 1.0
@@ -174,12 +204,15 @@ class ShardedGradScaler:
         return loss.float() * self.scale_value if self.enabled else loss
 
     def unscale_(self, optimizer) -> None:
-        """Divide this rank's gradients by the scale (in their fp32 dtype) and agree on overflow."""
+        """Divide this rank's gradients by the scale (in their fp32 dtype) and
+        agree on overflow."""
         if not self.enabled or id(optimizer) in self._found_inf:
             return
-        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        # BEGIN EXERCISE 8.2: unscale this rank's gradients, flag an overflow, agree across the ranks, record both
-        found_inf = torch.zeros(1, device=current_device())  # where the collective runs (offload: not the grads)
+        grads = [p.grad for group in optimizer.param_groups
+                 for p in group["params"] if p.grad is not None]
+        # BEGIN EXERCISE 8.2: unscale, flag overflow, agree on it, record both
+        # where the collective runs (offload: not the grads)
+        found_inf = torch.zeros(1, device=current_device())
         for g in grads:
             g.mul_(1.0 / self.scale_value)  # a power of two: exact in fp32
             found_inf += (~torch.isfinite(g)).any().to(found_inf.device)
@@ -193,11 +226,13 @@ class ShardedGradScaler:
         if not self.enabled:
             return optimizer.step(*args, **kwargs)
         self.unscale_(optimizer)
-        return None if self._found_inf[id(optimizer)] else optimizer.step(*args, **kwargs)
+        return (None if self._found_inf[id(optimizer)]
+                else optimizer.step(*args, **kwargs))
 
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
-        """After the step: back off after an overflow, grow after growth_interval clean steps -- or, as
-        torch's update(new_scale), take the scale given (the growth count is left as it is)."""
+        """After the step: back off after an overflow, grow after
+        growth_interval clean steps -- or, as torch's update(new_scale), take
+        the scale given (the growth count is left as it is)."""
         if not self.enabled:
             return
         if new_scale is not None:
@@ -209,16 +244,19 @@ class ShardedGradScaler:
             self._growth_tracker += 1
             if self._growth_tracker == self.growth_interval:
                 grown = self.scale_value * self.growth_factor
-                if grown <= torch.finfo(torch.float32).max:  # the scaled loss is fp32: stay finite there
+                # the scaled loss is fp32: stay finite there
+                if grown <= torch.finfo(torch.float32).max:
                     self.scale_value = grown
                 self._growth_tracker = 0
         self._found_inf = {}
 
     def state_dict(self) -> dict:
-        return {"scale": self.scale_value, "growth_tracker": self._growth_tracker}
+        return {"scale": self.scale_value,
+                "growth_tracker": self._growth_tracker}
 
     def load_state_dict(self, state: dict) -> None:
-        self.scale_value, self._growth_tracker = state["scale"], state["growth_tracker"]
+        self.scale_value, self._growth_tracker = (
+            state["scale"], state["growth_tracker"])
 # --8<-- [end:scaler]
 
 

@@ -43,38 +43,50 @@ STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
 # --8<-- [start:save]
-def save(path, model: nn.Module, optimizer=None, *, step: int | None = None, extra: dict | None = None,
-         keep_last: int | None = None) -> Path:
-    """Save the model (and optimizer) state of every rank into one checkpoint; every rank calls it.
+def save(path, model: nn.Module, optimizer=None, *, step: int | None = None,
+         extra: dict | None = None, keep_last: int | None = None) -> Path:
+    """Save the model (and optimizer) state of every rank into one
+    checkpoint; every rank calls it.
 
-    step:      saved, and returned by load(); with it, `path` is a directory of checkpoints and this one
-               is `path/step_<step>` (load(path) takes the newest); without it, `path` is the checkpoint.
-    extra:     anything JSON can hold (a data loader's position, a config), returned by load().
+    step:      saved, and returned by load(); with it, `path` is a directory
+               of checkpoints and this one is `path/step_<step>` (load(path)
+               takes the newest); without it, `path` is the checkpoint.
+    extra:     anything JSON can hold (a data loader's position, a config),
+               returned by load().
     keep_last: with step, keep only the newest k checkpoints in `path`.
     """
-    if keep_last is not None and (step is None or isinstance(keep_last, bool) or not isinstance(keep_last, int)
+    if keep_last is not None and (step is None or isinstance(keep_last, bool)
+                                  or not isinstance(keep_last, int)
                                   or keep_last < 1):
-        raise ValueError(f"keep_last is a number of checkpoints >= 1 and needs step=..., got keep_last="
-                         f"{keep_last!r}, step={step!r}")
+        raise ValueError(
+            f"keep_last is a number of checkpoints >= 1 and needs step=..., "
+            f"got keep_last={keep_last!r}, step={step!r}")
     target = Path(path) / f"step_{step:08d}" if step is not None else Path(path)
     partial = target.with_name(target.name + ".partial")
     rank = dist.get_rank() if dist.is_initialized() else 0
-    state = {"model": held.model_state(model),
-             "meta": _encode({"format": FORMAT, "strategy": held.strategy_of(model, optimizer),
-                              "world_size": dist.get_world_size() if dist.is_initialized() else 1,
-                              "step": step, "extra": extra, "optimizer": _optimizer_class(optimizer),
-                              "param_groups": optimizer and held.param_groups(model, optimizer),
-                              "buckets": held.bucket_order(model)}),
-             "rng": {f"rank{rank}": _rng_state()}}
+    state = {
+        "model": held.model_state(model),
+        "meta": _encode({
+            "format": FORMAT, "strategy": held.strategy_of(model, optimizer),
+            "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+            "step": step, "extra": extra,
+            "optimizer": _optimizer_class(optimizer),
+            "param_groups": optimizer and held.param_groups(model, optimizer),
+            "buckets": held.bucket_order(model)}),
+        "rng": {f"rank{rank}": _rng_state()}}
     if optimizer is not None:
         state["optim"] = {"state": held.optimizer_state(model, optimizer)}
     if rank == 0:
-        shutil.rmtree(partial, ignore_errors=True)  # what a crashed save left behind
+        # what a crashed save left behind
+        shutil.rmtree(partial, ignore_errors=True)
         partial.parent.mkdir(parents=True, exist_ok=True)
     _barrier()
     with _quiet():
-        dcp.save(state, storage_writer=FileSystemWriter(partial))  # each rank writes what it holds
-    _barrier()  # every rank's bytes and the metadata are on disk: only now does it replace anything
+        # each rank writes what it holds
+        dcp.save(state, storage_writer=FileSystemWriter(partial))
+    # every rank's bytes and the metadata are on disk after this barrier:
+    # only now does it replace anything
+    _barrier()
     if rank == 0:
         _publish(partial, target)
         if keep_last is not None:
@@ -87,8 +99,9 @@ def save(path, model: nn.Module, optimizer=None, *, step: int | None = None, ext
 
 # --8<-- [start:publish]
 def _publish(partial: Path, target: Path) -> None:
-    """Put the finished checkpoint in place. A directory cannot be swapped for another in one step, so the
-    old one steps aside first (`.old`); load() finds it there if a crash comes between the two renames."""
+    """Put the finished checkpoint in place. A directory cannot be swapped for
+    another in one step, so the old one steps aside first (`.old`); load()
+    finds it there if a crash comes between the two renames."""
     old = target.with_name(target.name + ".old")
     if target.exists():
         shutil.rmtree(old, ignore_errors=True)
@@ -99,42 +112,59 @@ def _publish(partial: Path, target: Path) -> None:
 
 
 # --8<-- [start:load]
-def load(path, model: nn.Module, optimizer=None, *, strict: bool = True) -> dict:
-    """Load a checkpoint saved by save() -- from any strategy, at any world size -- into this model (and
-    optimizer), in place; every rank calls it. Returns {"step", "extra", "strategy", "world_size", "path",
-    "missing_keys", "unexpected_keys"}. strict=False loads what matches and lists the rest."""
+def load(path, model: nn.Module, optimizer=None, *,
+         strict: bool = True) -> dict:
+    """Load a checkpoint saved by save() -- from any strategy, at any world
+    size -- into this model (and optimizer), in place; every rank calls it.
+    Returns {"step", "extra", "strategy", "world_size", "path",
+    "missing_keys", "unexpected_keys"}. strict=False loads what matches and
+    lists the rest."""
     found = resolve(path)
     reader = SafeFileSystemReader(found)
     metadata = reader.read_metadata()
-    saved = {_key(metadata, k): md for k, md in metadata.state_dict_metadata.items()}
-    pickled = sorted(".".join(k) for k, md in saved.items() if not isinstance(md, TensorStorageMetadata))
-    if pickled:  # DCP would unpickle these with torch.load(weights_only=False); minifsdp never writes any
-        raise RuntimeError(f"checkpoint.load: {pickled} are pickled objects, not tensors: refusing to load them")
+    saved = {_key(metadata, k): md
+             for k, md in metadata.state_dict_metadata.items()}
+    pickled = sorted(".".join(k) for k, md in saved.items()
+                     if not isinstance(md, TensorStorageMetadata))
+    # DCP would unpickle these with torch.load(weights_only=False); minifsdp
+    # never writes any
+    if pickled:
+        raise RuntimeError(f"checkpoint.load: {pickled} are pickled objects, "
+                           f"not tensors: refusing to load them")
     meta = _load_meta(found, saved)
     with _quiet():
         missing, unexpected = check(saved, meta, model, optimizer, strict)
     rank = dist.get_rank() if dist.is_initialized() else 0
-    if optimizer is not None:  # a fresh optimizer has no state yet: make room for what will be loaded
-        held.make_optimizer_state(model, optimizer, _optimizer_entries(saved))
-    dest = {"model": {k: v for k, v in held.model_state(model).items() if ("model", k) in saved}}
+    # a fresh optimizer has no state yet: make room for what will be loaded
     if optimizer is not None:
-        mine = {name: {key: v for key, v in keys.items() if ("optim", "state", name, key) in saved}
-                for name, keys in held.optimizer_state(model, optimizer).items()}
-        mine = {name: keys for name, keys in mine.items() if keys}  # (strict=False: none saved for some)
-        if mine:  # an empty dict would reach DCP as a value of its own, which the checkpoint lacks
+        held.make_optimizer_state(model, optimizer, _optimizer_entries(saved))
+    dest = {"model": {k: v for k, v in held.model_state(model).items()
+                      if ("model", k) in saved}}
+    if optimizer is not None:
+        optim_state = held.optimizer_state(model, optimizer)
+        mine = {name: {key: v for key, v in keys.items()
+                       if ("optim", "state", name, key) in saved}
+                for name, keys in optim_state.items()}
+        # (strict=False: none saved for some)
+        mine = {name: keys for name, keys in mine.items() if keys}
+        # an empty dict would reach DCP as a value of its own, which the
+        # checkpoint lacks
+        if mine:
             dest["optim"] = {"state": mine}
-    rng = {k[2]: torch.empty(md.size, dtype=md.properties.dtype) for k, md in saved.items()
-           if k[:2] == ("rng", f"rank{rank}")}
+    rng = {k[2]: torch.empty(md.size, dtype=md.properties.dtype)
+           for k, md in saved.items() if k[:2] == ("rng", f"rank{rank}")}
     if rng:
         dest["rng"] = {f"rank{rank}": rng}
     with _quiet():
-        dcp.load(dest, storage_reader=reader)  # each rank reads the parts of the saved tensors it now holds
+        # each rank reads the parts of the saved tensors it now holds
+        dcp.load(dest, storage_reader=reader)
     if optimizer is not None and meta["param_groups"]:
         held.load_param_groups(model, optimizer, meta["param_groups"])
     _set_rng_state(rng)
     held.set_bucket_order(model, meta.get("buckets"))
-    return {"step": meta["step"], "extra": meta["extra"], "strategy": meta["strategy"],
-            "world_size": meta["world_size"], "path": found, "missing_keys": missing,
+    return {"step": meta["step"], "extra": meta["extra"],
+            "strategy": meta["strategy"], "world_size": meta["world_size"],
+            "path": found, "missing_keys": missing,
             "unexpected_keys": unexpected}
 # --8<-- [end:load]
 
@@ -169,28 +199,39 @@ def _checkpoints(root: Path) -> list[Path]:
 
 
 # --8<-- [start:check]
-def check(saved: dict, meta: dict, model: nn.Module, optimizer, strict: bool) -> tuple[list, list]:
-    """Refuse a checkpoint that does not fit, naming every problem, before anything is written."""
+def check(saved: dict, meta: dict, model: nn.Module, optimizer,
+          strict: bool) -> tuple[list, list]:
+    """Refuse a checkpoint that does not fit, naming every problem, before
+    anything is written."""
     if meta.get("format") != FORMAT:
-        raise RuntimeError(f"not a minifsdp checkpoint (format {meta.get('format')!r}, expected {FORMAT!r})")
+        raise RuntimeError(f"not a minifsdp checkpoint (format "
+                           f"{meta.get('format')!r}, expected {FORMAT!r})")
     expected = {k: tuple(v.shape) for k, v in held.model_state(model).items()}
-    on_disk = {k[1]: tuple(md.size) for k, md in saved.items() if k[0] == "model"}
+    on_disk = {k[1]: tuple(md.size)
+               for k, md in saved.items() if k[0] == "model"}
     missing = sorted(set(expected) - set(on_disk))
     unexpected = sorted(set(on_disk) - set(expected))
     problems = [] if not strict else [f"missing key {k!r}" for k in missing] + \
         [f"unexpected key {k!r}" for k in unexpected]
-    problems += [f"size mismatch for {k!r}: the model has {expected[k]}, the checkpoint {on_disk[k]}"
-                 for k in sorted(set(expected) & set(on_disk)) if expected[k] != on_disk[k]]
+    problems += [f"size mismatch for {k!r}: the model has {expected[k]}, "
+                 f"the checkpoint {on_disk[k]}"
+                 for k in sorted(set(expected) & set(on_disk))
+                 if expected[k] != on_disk[k]]
     if optimizer is not None:
         if meta["optimizer"] is None:
-            problems.append("the checkpoint has no optimizer state (it was saved without an optimizer)")
+            problems.append("the checkpoint has no optimizer state (it was "
+                            "saved without an optimizer)")
         elif meta["optimizer"] != _optimizer_class(optimizer):
-            problems.append(f"the checkpoint's optimizer state is {meta['optimizer']}'s, this optimizer is "
+            problems.append(f"the checkpoint's optimizer state is "
+                            f"{meta['optimizer']}'s, this optimizer is "
                             f"{_optimizer_class(optimizer)}")
-        strange = sorted(n for n in _optimizer_entries(saved) if n not in expected)
-        problems += [f"optimizer state for {n!r}, which the model does not have" for n in strange if strict]
+        strange = sorted(n for n in _optimizer_entries(saved)
+                         if n not in expected)
+        problems += [f"optimizer state for {n!r}, which the model does not have"
+                     for n in strange if strict]
     if problems:
-        raise RuntimeError("checkpoint.load: nothing was loaded, the model and optimizer are unchanged:\n  "
+        raise RuntimeError("checkpoint.load: nothing was loaded, the model and "
+                           "optimizer are unchanged:\n  "
                            + "\n  ".join(problems))
     return missing, unexpected
 # --8<-- [end:check]

@@ -37,25 +37,32 @@ from minifsdp.distributed import comm
 
 
 # --8<-- [start:boxes]
-def boxes(shape, start: int, end: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
-    """The elements [start, end) of a row-major tensor of `shape`, as boxes (offsets, sizes), in order."""
-    # BEGIN EXERCISE 10.1: cut a range of a row-major tensor into boxes: partial row, whole rows, partial row
+def boxes(shape, start: int,
+          end: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """The elements [start, end) of a row-major tensor of `shape`, as boxes
+    (offsets, sizes), in order."""
+    # BEGIN EXERCISE 10.1: range as boxes: partial row, whole rows, partial row
     if start >= end:
         return []
     if len(shape) <= 1:
         return [((start,), (end - start,))] if len(shape) == 1 else [((), ())]
     row = math.prod(shape[1:])  # elements per index of dim 0
     first, last = -(-start // row), end // row  # the whole rows: [first, last)
-    if first > last:  # inside one row: a box one index thick, cut one dimension down
+    # inside one row: a box one index thick, cut one dimension down
+    if first > last:
         i = start // row
-        return [((i,) + o, (1,) + s) for o, s in boxes(shape[1:], start - i * row, end - i * row)]
+        return [((i,) + o, (1,) + s)
+                for o, s in boxes(shape[1:], start - i * row, end - i * row)]
     out = []
     if start < first * row:  # the partial row it starts in
-        out += [((first - 1,) + o, (1,) + s) for o, s in boxes(shape[1:], start - (first - 1) * row, row)]
+        out += [((first - 1,) + o, (1,) + s)
+                for o, s in boxes(shape[1:], start - (first - 1) * row, row)]
     if first < last:
-        out.append(((first,) + (0,) * (len(shape) - 1), (last - first,) + tuple(shape[1:])))
+        out.append(((first,) + (0,) * (len(shape) - 1),
+                    (last - first,) + tuple(shape[1:])))
     if last * row < end:  # the partial row it ends in
-        out += [((last,) + o, (1,) + s) for o, s in boxes(shape[1:], 0, end - last * row)]
+        out += [((last,) + o, (1,) + s)
+                for o, s in boxes(shape[1:], 0, end - last * row)]
     return out
     # END EXERCISE
 # --8<-- [end:boxes]
@@ -71,12 +78,15 @@ def flat_start(shape, offsets) -> int:
 
 
 # --8<-- [start:pieces]
-def sharded_piece(local: torch.Tensor, shard_start: int, shard_numel: int, offset: int, shape,
+def sharded_piece(local: torch.Tensor, shard_start: int, shard_numel: int,
+                  offset: int, shape,
                   group=None) -> ShardedTensor | torch.Tensor | None:
-    """One original tensor (`shape`, at `offset` in a flat buffer cut into equal shards of `shard_numel`,
-    rank r holding [r * shard_numel, (r + 1) * shard_numel) as `local`) as this rank's ShardedTensor: its
-    boxes are views into `local`, and every rank's boxes are described, with no communication, since each
-    rank can work out every other's range. A 0-dim tensor is one element, on one rank: a plain tensor
+    """One original tensor (`shape`, at `offset` in a flat buffer cut into
+    equal shards of `shard_numel`, rank r holding
+    [r * shard_numel, (r + 1) * shard_numel) as `local`) as this rank's
+    ShardedTensor: its boxes are views into `local`, and every rank's boxes
+    are described, with no communication, since each rank can work out every
+    other's range. A 0-dim tensor is one element, on one rank: a plain tensor
     there (None elsewhere)."""
     numel = math.prod(shape)
     if len(shape) == 0:
@@ -86,18 +96,24 @@ def sharded_piece(local: torch.Tensor, shard_start: int, shard_numel: int, offse
     n = comm.world_size(group)
     ranks = comm.group_ranks(group)
     for q in range(n):
-        # BEGIN EXERCISE 10.2: rank q's part of this tensor, as boxes; this rank's boxes as views into `local`
-        lo, hi = max(offset, q * shard_numel), min(offset + numel, (q + 1) * shard_numel)  # rank q's range
+        # BEGIN EXERCISE 10.2: rank q's boxes; for this rank, views into `local`
+        # rank q's range
+        lo, hi = (max(offset, q * shard_numel),
+                  min(offset + numel, (q + 1) * shard_numel))
         for box_offsets, sizes in boxes(shape, lo - offset, hi - offset):
-            metadata.append(ShardMetadata(list(box_offsets), list(sizes), f"rank:{ranks[q]}/{local.device}"))
-            if q * shard_numel == shard_start:  # a box is a contiguous run of the flat shard: a view
+            metadata.append(ShardMetadata(list(box_offsets), list(sizes),
+                                          f"rank:{ranks[q]}/{local.device}"))
+            # a box is a contiguous run of the flat shard: a view
+            if q * shard_numel == shard_start:
                 begin = offset + flat_start(shape, box_offsets) - shard_start
                 view = local[begin: begin + math.prod(sizes)].view(sizes)
                 mine.append(Shard(view, metadata[-1]))
         # END EXERCISE
     properties = TensorProperties(dtype=local.dtype, requires_grad=False)
-    global_metadata = ShardedTensorMetadata(metadata, torch.Size(shape), properties)
-    return ShardedTensor._init_from_local_shards_and_global_metadata(mine, global_metadata, process_group=group)
+    global_metadata = ShardedTensorMetadata(metadata, torch.Size(shape),
+                                            properties)
+    return ShardedTensor._init_from_local_shards_and_global_metadata(
+        mine, global_metadata, process_group=group)
 # --8<-- [end:pieces]
 
 

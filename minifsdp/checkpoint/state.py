@@ -120,10 +120,12 @@ def slots(model: nn.Module, optimizer) -> list[Slot]:
 
 
 # --8<-- [start:optimizer_state]
-def optimizer_state(model: nn.Module, optimizer) -> dict[str, dict[str, torch.Tensor]]:
-    """{name: {key: this rank's part of that parameter's state}}: the per-parameter state PyTorch's
-    optimizers keep, cut from whatever layout this strategy steps. A 0-dim value (AdamW's step) is whole
-    on every rank that holds a part of the parameter."""
+def optimizer_state(model: nn.Module,
+                    optimizer) -> dict[str, dict[str, torch.Tensor]]:
+    """{name: {key: this rank's part of that parameter's state}}: the
+    per-parameter state PyTorch's optimizers keep, cut from whatever layout
+    this strategy steps. A 0-dim value (AdamW's step) is whole on every rank
+    that holds a part of the parameter."""
     out = {}
     for slot in slots(model, optimizer):
         state = slot.state.get(slot.tensor, {})
@@ -132,18 +134,23 @@ def optimizer_state(model: nn.Module, optimizer) -> dict[str, dict[str, torch.Te
                 if value is None:
                     continue
                 if not isinstance(value, torch.Tensor):
-                    raise TypeError(f"optimizer state {key!r} of {name!r} is a {type(value).__name__}, not a "
-                                    f"tensor: minifsdp.checkpoint saves tensor state only")
+                    raise TypeError(
+                        f"optimizer state {key!r} of {name!r} is a "
+                        f"{type(value).__name__}, not a tensor: "
+                        f"minifsdp.checkpoint saves tensor state only")
                 part = value if value.dim() == 0 else piece(value)
                 if part is not None:
                     out.setdefault(name, {})[key] = part
     return out
 
 
-def make_optimizer_state(model: nn.Module, optimizer, saved: dict[str, dict[str, tuple]]) -> None:
-    """Give every slot the state tensors the checkpoint has for its parameters, zero-filled, where the
-    optimizer has none yet (a fresh optimizer has no state until its first step): `saved` maps a name to
-    {key: (size, dtype)}. Then optimizer_state() can describe them, and DCP load into them in place."""
+def make_optimizer_state(model: nn.Module, optimizer,
+                         saved: dict[str, dict[str, tuple]]) -> None:
+    """Give every slot the state tensors the checkpoint has for its
+    parameters, zero-filled, where the optimizer has none yet (a fresh
+    optimizer has no state until its first step): `saved` maps a name to
+    {key: (size, dtype)}. Then optimizer_state() can describe them, and DCP
+    load into them in place."""
     for slot in slots(model, optimizer):
         state = slot.state.setdefault(slot.tensor, {})
         for name, _ in slot.pieces:
@@ -151,8 +158,10 @@ def make_optimizer_state(model: nn.Module, optimizer, saved: dict[str, dict[str,
                 if key in state:
                     continue
                 if len(size) == 0:
-                    state[key] = torch.zeros((), dtype=dtype, device=slot.tensor.device if key != "step"
-                                             else torch.device("cpu"))
+                    state[key] = torch.zeros(
+                        (), dtype=dtype,
+                        device=(slot.tensor.device if key != "step"
+                                else torch.device("cpu")))
                 else:
                     state[key] = torch.zeros_like(slot.tensor, dtype=dtype)
         if not state:

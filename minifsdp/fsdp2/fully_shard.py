@@ -102,8 +102,10 @@ class _State:
     def pre_forward(self, module, args, kwargs):
         if self.root is None:
             self._lazy_init()
-        if self.root is self:  # on a GPU: the all-gathers read shards the compute stream last wrote
-            sync_all_gathers(self.group.params[0].padded.device if self.group.params else torch.device("cpu"))
+        # on a GPU: the all-gathers read shards the compute stream last wrote
+        if self.root is self:
+            sync_all_gathers(self.group.params[0].padded.device
+                             if self.group.params else torch.device("cpu"))
         if self.root is self and torch.is_grad_enabled():
             self.order.clear()  # a new step
             for s in self.subtree:
@@ -113,7 +115,8 @@ class _State:
         for m in self.forward_prefetch:
             m._fsdp.group.unshard(async_op=True)
         if self.mp.param_dtype is not None and self.mp.cast_forward_inputs:
-            args, kwargs = tree_map(lambda t: _cast(t, self.mp.param_dtype), (args, kwargs))
+            args, kwargs = tree_map(lambda t: _cast(t, self.mp.param_dtype),
+                                    (args, kwargs))
         if torch.is_grad_enabled():
             self.root.order.append(self)
             args, kwargs = _wrap_inputs(self, args, kwargs)
@@ -138,8 +141,10 @@ class _State:
         if self.backward_started:
             return
         self.backward_started = True
-        if not self.root.callback_queued:  # once per backward: the root's end-of-backward callback
-            torch.autograd.Variable._execution_engine.queue_callback(self.root._end_of_backward)
+        # once per backward: the root's end-of-backward callback
+        if not self.root.callback_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(
+                self.root._end_of_backward)
             self.root.callback_queued = True
         self.group.unshard()
         self.group.wait_for_unshard()
@@ -150,31 +155,38 @@ class _State:
         if self.backward_prefetch is not None:
             return [m._fsdp for m in self.backward_prefetch]
         order = self.root.order
-        i = max((k for k, s in enumerate(order) if s is self), default=0)  # (a module run twice: its last)
-        return [order[i - 1]] if i > 0 else []  # the module that ran forward just before: backward's next
+        # (a module run twice: its last)
+        i = max((k for k, s in enumerate(order) if s is self), default=0)
+        # the module that ran forward just before: backward's next
+        return [order[i - 1]] if i > 0 else []
 
     def post_backward(self) -> None:
         if self.backward_done:
             return
         self.backward_done = True
         grads = self.group.take_grads()
-        if not self.requires_gradient_sync:  # set_requires_gradient_sync(False): add up, send nothing
+        # set_requires_gradient_sync(False): add up, send nothing
+        if not self.requires_gradient_sync:
             for p, g in grads:
                 p.accumulated = g if p.accumulated is None else p.accumulated + g
             grads = []
         else:  # what earlier backwards without sync kept is added in first
-            grads = [(p, g if p.accumulated is None else p.accumulated + g) for p, g in grads]
+            grads = [(p, g if p.accumulated is None else p.accumulated + g)
+                     for p, g in grads]
             grads += [(p, p.accumulated) for p in self.group.params
-                      if p.accumulated is not None and all(p is not q for q, _ in grads)]
+                      if p.accumulated is not None
+                      and all(p is not q for q, _ in grads)]
             for p, _ in grads:
                 p.accumulated = None
-        if self.reshard_after_backward:  # the parameters first: their memory goes before the reduce-scatter's
+        # the parameters first: their memory goes before the reduce-scatter's
+        if self.reshard_after_backward:
             self.group.reshard()
         self.group.reduce_scatter_grads(grads)
 
     def _end_of_backward(self) -> None:
-        """The root's callback: finish every module whose post-backward did not run (its inputs needed no
-        gradient, or it was not used), and make sure every parameter is sharded again."""
+        """The root's callback: finish every module whose post-backward did not run
+        (its inputs needed no gradient, or it was not used), and make sure every
+        parameter is sharded again."""
         for s in reversed(self.order):
             if s.backward_started or s.group.is_unsharded:
                 s.post_backward()
@@ -217,11 +229,15 @@ def _wrap_inputs(state: _State, args, kwargs):
 
 # --8<-- [start:module]
 class FSDPModule:
-    """Mixed into the class of every module fully_shard has been applied to (PyTorch's FSDPModule)."""
+    """Mixed into the class of every module fully_shard has been applied to
+    (PyTorch's FSDPModule)."""
 
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
-        """All-gather this module's parameters now (e.g. before its forward, to overlap with other work)."""
-        if self._fsdp.root is None:  # before the first forward: take up parameters replaced since (to_empty)
+        """All-gather this module's parameters now (e.g. before its forward, to
+        overlap with other work)."""
+        # before the first forward: take up parameters replaced since
+        # (to_empty)
+        if self._fsdp.root is None:
             for p in self._fsdp.group.params:
                 p.refresh_sharded()
         self._fsdp.group.unshard(async_op=async_op)
@@ -230,32 +246,41 @@ class FSDPModule:
     def reshard(self) -> None:
         self._fsdp.group.reshard()
 
-    def set_modules_to_forward_prefetch(self, modules: list["FSDPModule"]) -> None:
-        """In this module's pre-forward, also start these modules' all-gathers (explicit forward prefetch)."""
+    def set_modules_to_forward_prefetch(self,
+                                        modules: list["FSDPModule"]) -> None:
+        """In this module's pre-forward, also start these modules' all-gathers
+        (explicit forward prefetch)."""
         self._fsdp.forward_prefetch = list(modules)
 
-    def set_modules_to_backward_prefetch(self, modules: list["FSDPModule"]) -> None:
-        """In this module's pre-backward, start these modules' all-gathers instead of the implicit one."""
+    def set_modules_to_backward_prefetch(self,
+                                         modules: list["FSDPModule"]) -> None:
+        """In this module's pre-backward, start these modules' all-gathers
+        instead of the implicit one."""
         self._fsdp.backward_prefetch = list(modules)
 
-    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
-        """False: backward adds up the unsharded gradients and sends nothing (gradient accumulation)."""
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *,
+                                   recurse: bool = True) -> None:
+        """False: backward adds up the unsharded gradients and sends nothing
+        (gradient accumulation)."""
         for m in (self.modules() if recurse else [self]):
             if isinstance(m, FSDPModule):
                 m._fsdp.requires_gradient_sync = requires_gradient_sync
 
-    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *,
+                                   recurse: bool = True) -> None:
         for m in (self.modules() if recurse else [self]):
             if isinstance(m, FSDPModule):
                 m._fsdp.reshard_after_backward = reshard_after_backward
 
-    def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
+    def set_reshard_after_forward(self, reshard_after_forward: bool, *,
+                                  recurse: bool = True) -> None:
         for m in (self.modules() if recurse else [self]):
             if isinstance(m, FSDPModule):
                 m._fsdp.reshard_after_forward = reshard_after_forward
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
-        """Kept for scripts written for torch: its collectives here are waited for in backward anyway."""
+        """Kept for scripts written for torch: its collectives here are waited
+        for in backward anyway."""
         self._fsdp.is_last_backward = is_last_backward
 # --8<-- [end:module]
 
@@ -327,17 +352,20 @@ _meshes: dict = {}
 
 # --8<-- [start:replicate]
 def replicate(module: nn.Module, *, mesh=None, **options) -> nn.Module:
-    """DDP, built the same way: fully_shard over a mesh of N replicas of one rank each. Every parameter is
-    whole on every rank (Replicate()); the "all-gather" in a group of one is a copy, and the gradients are
-    averaged across the replicas by an all-reduce -- HSDP with shards of one."""
+    """DDP, built the same way: fully_shard over a mesh of N replicas of one
+    rank each. Every parameter is whole on every rank (Replicate()); the
+    "all-gather" in a group of one is a copy, and the gradients are averaged
+    across the replicas by an all-reduce -- HSDP with shards of one."""
     if mesh is None:
         from torch.distributed.device_mesh import init_device_mesh
 
         from minifsdp.distributed.launch import current_device
         world = torch.distributed.group.WORLD
-        if _meshes.get("replicate", (None,))[0] is not world:  # (making a mesh makes process groups: once)
-            _meshes["replicate"] = (world, init_device_mesh(current_device().type, (comm.world_size(), 1),
-                                                            mesh_dim_names=("replicate", "shard")))
+        # (making a mesh makes process groups: once)
+        if _meshes.get("replicate", (None,))[0] is not world:
+            _meshes["replicate"] = (world, init_device_mesh(
+                current_device().type, (comm.world_size(), 1),
+                mesh_dim_names=("replicate", "shard")))
         mesh = _meshes["replicate"][1]
     return fully_shard(module, mesh=mesh, **options)
 # --8<-- [end:replicate]

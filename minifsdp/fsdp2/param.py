@@ -39,45 +39,63 @@ from minifsdp.fsdp.flat_param import _alloc_storage, _free_storage, _side_stream
 
 # --8<-- [start:shard]
 class FSDPParam:
-    """One parameter of a fully_shard'ed module: its padded shard (what the collectives read and write), the
-    DTensor parameter the user and the optimizer see (a view of the shard's first rows), and, between unshard
-    and reshard, the unsharded parameter the module computes with."""
+    """One parameter of a fully_shard'ed module: its padded shard (what the
+    collectives read and write), the DTensor parameter the user and the
+    optimizer see (a view of the shard's first rows), and, between unshard and
+    reshard, the unsharded parameter the module computes with."""
 
-    def __init__(self, places: list[tuple[nn.Module, str]], mesh, rank: int, world_size: int):
-        self.places, self.mesh = places, mesh  # (module, name): more than one for a tied parameter
-        # Sharded over the mesh's last dimension; on a 2-D mesh (HSDP), replicated over the first.
-        self.placements = (Shard(0),) if mesh.ndim == 1 else (Replicate(), Shard(0))
+    def __init__(self, places: list[tuple[nn.Module, str]], mesh, rank: int,
+                 world_size: int):
+        # places: (module, name); more than one for a tied parameter
+        self.places, self.mesh = places, mesh
+        # Sharded over the mesh's last dimension; on a 2-D mesh (HSDP),
+        # replicated over the first.
+        self.placements = ((Shard(0),) if mesh.ndim == 1
+                           else (Replicate(), Shard(0)))
         module, name = places[0]
         param = module._parameters[name]
         if param.dim() == 0:
-            raise ValueError(f"fully_shard shards each parameter along dim 0, and {name!r} of "
-                             f"{type(module).__name__} is 0-dim: give it shape (1,) (as torch's fully_shard)")
+            raise ValueError(
+                f"fully_shard shards each parameter along dim 0, and {name!r} "
+                f"of {type(module).__name__} is 0-dim: give it shape (1,) "
+                f"(as torch's fully_shard)")
         self.shape, self.requires_grad = param.shape, param.requires_grad
-        # BEGIN EXERCISE 11.1: this rank's Shard(0) of the parameter, padded to ceil(d0 / N) rows
-        self.rows = -(-param.shape[0] // world_size)  # every rank's padded number of rows: chunk 0's
+        # BEGIN EXERCISE 11.1: this rank's Shard(0), padded to ceil(d0 / N) rows
+        # every rank's padded number of rows: chunk 0's
+        self.rows = -(-param.shape[0] // world_size)
         first = min(rank * self.rows, param.shape[0])
-        self.length = min(self.rows, param.shape[0] - first)  # this rank's real rows (the last may have none)
+        # this rank's real rows (the last may have none)
+        self.length = min(self.rows, param.shape[0] - first)
         padded = param.new_zeros((self.rows,) + tuple(param.shape[1:]))
         padded[: self.length].copy_(param.detach()[first: first + self.length])
         # END EXERCISE
         self.padded = padded
-        self.sharded = nn.Parameter(DTensor.from_local(padded[: self.length], mesh, self.placements, run_check=False,
-                                                       shape=self.shape, stride=_contiguous_stride(self.shape)),
-                                    requires_grad=self.requires_grad)
-        self.unsharded = None    # the nn.Parameter the module computes with, between unshard and reshard
-        self.accumulated = None  # unsharded gradients added up while gradient sync is off
+        self.sharded = nn.Parameter(
+            DTensor.from_local(padded[: self.length], mesh, self.placements,
+                               run_check=False, shape=self.shape,
+                               stride=_contiguous_stride(self.shape)),
+            requires_grad=self.requires_grad)
+        # the nn.Parameter the module computes with between unshard and reshard
+        self.unsharded = None
+        # unsharded gradients added up while gradient sync is off
+        self.accumulated = None
         self.show(self.sharded)
 
     def alloc_unsharded(self, dtype: torch.dtype) -> torch.Tensor:
-        """The unsharded parameter's memory, for the copy-out to fill. It is one Parameter for good, whose
-        storage is freed at reshard and given back here: what forward saved for backward (a Linear saves
-        its weight) is this same storage, so the pre-backward all-gather refills it. Written through .data,
-        which autograd does not count as a change to a tensor it saved."""
+        """The unsharded parameter's memory, for the copy-out to fill. It is one
+        Parameter for good, whose storage is freed at reshard and given back
+        here: what forward saved for backward (a Linear saves its weight) is
+        this same storage, so the pre-backward all-gather refills it. Written
+        through .data, which autograd does not count as a change to a tensor it
+        saved."""
         if self.unsharded is None or self.unsharded.dtype != dtype:
-            self.unsharded = nn.Parameter(self.padded.new_empty(self.shape, dtype=dtype))
-        self.unsharded.requires_grad_(self.sharded.requires_grad)  # frozen or unfrozen since, as the user said
+            self.unsharded = nn.Parameter(
+                self.padded.new_empty(self.shape, dtype=dtype))
+        # frozen or unfrozen since, as the user said
+        self.unsharded.requires_grad_(self.sharded.requires_grad)
         if self.unsharded.untyped_storage().size() == 0:
-            _alloc_storage(self.unsharded)  # (in place, announced: no op reports a resize; the meter listens)
+            # (in place, announced: no op reports a resize; the meter listens)
+            _alloc_storage(self.unsharded)
         return self.unsharded.data
 
     def free_unsharded(self) -> None:
@@ -85,30 +103,35 @@ class FSDPParam:
             _free_storage(self.unsharded)
 
     def show(self, param: nn.Parameter) -> None:
-        """Register `param` at every place of this parameter: the module computes with what it finds there."""
+        """Register `param` at every place of this parameter: the module
+        computes with what it finds there."""
         for module, name in self.places:
             module._parameters[name] = param
     # --8<-- [end:shard]
 
     # --8<-- [start:refresh]
     def refresh_sharded(self) -> None:
-        """The module's DTensor parameter may have been given new memory since fully_shard (module.to_empty()
-        after a meta-device build): take its data as this rank's shard again, keeping the Parameter object
-        the optimizer may already hold."""
+        """The module's DTensor parameter may have been given new memory since
+        fully_shard (module.to_empty() after a meta-device build): take its data as
+        this rank's shard again, keeping the Parameter object the optimizer may
+        already hold."""
         module, name = self.places[0]
         param = module._parameters[name]
-        if param is self.unsharded:  # shown by an unshard() before the first forward: not a replacement
+        # shown by an unshard() before the first forward: not a replacement
+        if param is self.unsharded:
             return
         local = param.to_local() if isinstance(param, DTensor) else param
-        # (a rank with no rows of it holds an empty shard, whose data_ptr is 0 on the meta device and off it:
-        # the device tells those apart)
-        if param is self.sharded and local.device == self.padded.device and \
-                local.untyped_storage().data_ptr() == self.padded.untyped_storage().data_ptr():
+        # (a rank with no rows of it holds an empty shard, whose data_ptr is 0
+        # on the meta device and off it: the device tells those apart)
+        if (param is self.sharded and local.device == self.padded.device
+                and (local.untyped_storage().data_ptr()
+                     == self.padded.untyped_storage().data_ptr())):
             return
         padded = local.new_zeros((self.rows,) + tuple(self.shape[1:]))
         padded[: self.length].copy_(local.detach())
         self.padded, self.sharded = padded, param
-        param._local_tensor = padded[: self.length]  # (a DTensor's data is its local tensor)
+        # (a DTensor's data is its local tensor)
+        param._local_tensor = padded[: self.length]
         self.show(param)
     # --8<-- [end:refresh]
 
@@ -150,27 +173,35 @@ class FSDPParamGroup:
 
     # --8<-- [start:unshard]
     def unshard(self, async_op: bool = False) -> None:
-        """All-gather every parameter's shard in one collective. Copy-in: the padded shards end to end, into
-        this rank's own slot of the output, so that no separate input buffer is needed."""
+        """All-gather every parameter's shard in one collective. Copy-in: the padded
+        shards end to end, into this rank's own slot of the output, so that no
+        separate input buffer is needed."""
         if self.is_unsharded or self._gather is not None or not self.params:
             return
         dtype = self.param_dtype or self.params[0].padded.dtype
         total = sum(p.padded_numel for p in self.params)
-        with _side_stream("all_gather", self.params[0].padded, after_compute=False):  # (a GPU's: chapter 7)
-            out = self.params[0].padded.new_empty(total * self.world_size, dtype=dtype)
-            inp = out[self.rank * total: (self.rank + 1) * total]  # in place: this rank's slot is the input
+        # (a GPU's: chapter 7)
+        with _side_stream("all_gather", self.params[0].padded, after_compute=False):
+            out = self.params[0].padded.new_empty(total * self.world_size,
+                                                  dtype=dtype)
+            # in place: this rank's slot is the input
+            inp = out[self.rank * total: (self.rank + 1) * total]
             offset = 0
             for p in self.params:
-                inp[offset: offset + p.padded_numel].copy_(p.padded.reshape(-1))  # (cast to param_dtype)
+                # (cast to param_dtype)
+                inp[offset: offset + p.padded_numel].copy_(p.padded.reshape(-1))
                 offset += p.padded_numel
-            handle = comm.all_gather(out, inp, async_op=True, tag=f"all_gather {self.name}", group=self.group)
+            handle = comm.all_gather(out, inp, async_op=True,
+                                     tag=f"all_gather {self.name}",
+                                     group=self.group)
         self._gather = (out, handle)
         if not async_op:
             self.wait_for_unshard()
 
     def wait_for_unshard(self) -> None:
-        """Copy-out: rank q's slot of the output holds its shard of every parameter, in order; parameter i's
-        rows from every slot, stacked, are i's unsharded tensor (padding rows cut off)."""
+        """Copy-out: rank q's slot of the output holds its shard of every parameter,
+        in order; parameter i's rows from every slot, stacked, are i's unsharded
+        tensor (padding rows cut off)."""
         if self._gather is None:
             return
         out, handle = self._gather
@@ -178,15 +209,19 @@ class FSDPParamGroup:
         slots = out.view(self.world_size, -1)  # row q: rank q's shards, end to end
         offset = 0
         for p in self.params:
-            whole, last = _by_rank(p.alloc_unsharded(out.dtype), p.rows)  # row q: rank q's real rows
+            # row q: rank q's real rows
+            whole, last = _by_rank(p.alloc_unsharded(out.dtype), p.rows)
             whole.copy_(slots[: len(whole), offset: offset + whole.shape[1]])
             if last is not None:
                 last.copy_(slots[len(whole), offset: offset + last.numel()])
             p.show(p.unsharded)  # the module computes with the whole parameter
             offset += p.padded_numel
-        if out.is_cuda:  # made on the all-gather stream, read by the copy-out on this one: free it after that
+        # made on the all-gather stream, read by the copy-out on this one: free
+        # it after that
+        if out.is_cuda:
             out.record_stream(torch.cuda.current_stream(out.device))
-        comm.release(out)  # copied out: the all-gather's buffer goes now, not when gloo lets go of it
+        # copied out: the all-gather's buffer goes now, not when gloo lets go of it
+        comm.release(out)
         self._gather, self.is_unsharded = None, True
     # --8<-- [end:unshard]
 
@@ -201,48 +236,63 @@ class FSDPParamGroup:
 
     # --8<-- [start:reduce]
     def take_grads(self) -> list[tuple[FSDPParam, torch.Tensor]]:
-        """The unsharded gradients autograd left on the unsharded parameters (of those that were used),
-        taken off them: the parameters can then be resharded before the gradients are sent."""
-        out = [(p, p.unsharded.grad) for p in self.params if p.unsharded is not None and p.unsharded.grad is not None]
+        """The unsharded gradients autograd left on the unsharded parameters (of
+        those that were used), taken off them: the parameters can then be resharded
+        before the gradients are sent."""
+        out = [(p, p.unsharded.grad) for p in self.params
+               if p.unsharded is not None and p.unsharded.grad is not None]
         for p, _ in out:
             p.unsharded.grad = None
         return out
 
-    def reduce_scatter_grads(self, grads: list[tuple[FSDPParam, torch.Tensor]]) -> None:
-        """Average the unsharded gradients over the ranks, each rank keeping its own shard of each. Copy-in:
-        gradient i padded to N chunks of i's padded shard, chunk q of every gradient in slot q."""
+    def reduce_scatter_grads(self,
+                             grads: list[tuple[FSDPParam, torch.Tensor]]) -> None:
+        """Average the unsharded gradients over the ranks, each rank keeping its own
+        shard of each. Copy-in: gradient i padded to N chunks of i's padded shard,
+        chunk q of every gradient in slot q."""
         if not grads:
             return
         params = [p for p, _ in grads]
         n = self.world_size
         dtype = self.reduce_dtype or grads[0][1].dtype
-        # BEGIN EXERCISE 11.2: copy-in (rank q's rows of every gradient into slot q), then reduce-scatter (average)
-        inp = torch.zeros(n, sum(p.padded_numel for p in params), dtype=dtype, device=grads[0][1].device)
+        # BEGIN EXERCISE 11.2: copy rank q's rows to slot q, reduce-scatter (mean)
+        inp = torch.zeros(n, sum(p.padded_numel for p in params),
+                          dtype=dtype, device=grads[0][1].device)
         offset = 0
         for i, (p, grad) in enumerate(grads):
             whole, last = _by_rank(grad, p.rows)  # rank q's rows go to slot q
             inp[: len(whole), offset: offset + whole.shape[1]].copy_(whole)
             if last is not None:
                 inp[len(whole), offset: offset + last.numel()].copy_(last)
-            grads[i] = grad = whole = last = None  # copied in: the unsharded gradient goes now
+            # copied in: the unsharded gradient goes now
+            grads[i] = grad = whole = last = None
             offset += p.padded_numel
         out = inp.new_empty(inp.shape[1])
-        comm.reduce_scatter(out, inp.view(-1), op=comm.ReduceOp.AVG, tag=f"reduce_scatter {self.name}",
+        comm.reduce_scatter(out, inp.view(-1), op=comm.ReduceOp.AVG,
+                            tag=f"reduce_scatter {self.name}",
                             group=self.group)
         comm.release(inp)
-        if self.replicate_group is not None:  # HSDP: then average this shard with its replicas
-            comm.all_reduce(out, op=comm.ReduceOp.AVG, tag=f"all_reduce {self.name}", group=self.replicate_group)
+        # HSDP: then average this shard with its replicas
+        if self.replicate_group is not None:
+            comm.all_reduce(out, op=comm.ReduceOp.AVG,
+                            tag=f"all_reduce {self.name}",
+                            group=self.replicate_group)
         # END EXERCISE
         offset = 0
-        for p in params:  # this rank's slot holds its shard of every gradient, end to end
-            local = out[offset: offset + p.padded_numel].view(p.padded.shape)[: p.length]
+        # this rank's slot holds its shard of every gradient, end to end
+        for p in params:
+            local = (out[offset: offset + p.padded_numel]
+                     .view(p.padded.shape)[: p.length])
             offset += p.padded_numel
             local = local.to(p.padded.dtype)
-            grad = DTensor.from_local(local, p.mesh, p.placements, run_check=False, shape=p.shape,
+            grad = DTensor.from_local(local, p.mesh, p.placements,
+                                      run_check=False, shape=p.shape,
                                       stride=_contiguous_stride(p.shape))
             if p.sharded.grad is None:
                 p.sharded.grad = grad
-            else:  # no zero_grad() since the last step: gradients add up, as for any parameter
+            else:
+                # no zero_grad() since the last step: gradients add up, as
+                # for any parameter
                 p.sharded.grad += grad
     # --8<-- [end:reduce]
 
