@@ -37,7 +37,8 @@ def model_state_bytes(psi: int, world_size: int, stage: int,
     p, g, o = (b * psi for b in bytes_per_param)
     n = world_size
     # BEGIN EXERCISE 2.1: which model states does each ZeRO stage divide by N?
-    sharded = {0: (), 1: ("optim",), 2: ("grads", "optim"), 3: ("params", "grads", "optim")}[stage]
+    sharded = {0: (), 1: ("optim",), 2: ("grads", "optim"),
+               3: ("params", "grads", "optim")}[stage]
     full = {"params": p, "grads": g, "optim": o}
     out = {k: (v / n if k in sharded else float(v)) for k, v in full.items()}
     # END EXERCISE
@@ -95,20 +96,27 @@ def fsdp_buffer_bytes(unit_numel: int, world_size: int,
 
 
 # --8<-- [start:fsdp_gradient_bytes]
-def fsdp_gradient_bytes(padded_numel: int, world_size: int, dtype_bytes: int = 4,
+def fsdp_gradient_bytes(padded_numel: int, world_size: int,
+                        dtype_bytes: int = 4,
                         backend_buffer: bool = True) -> dict[str, float]:
-    """Gradient bytes of one unit alive at once, around its backward and its reduce-scatter.
+    """Gradient bytes of one unit alive at once, around its backward and its
+    reduce-scatter.
 
-    concat:         autograd's backward of the split that cut the views is a concatenation: the per-parameter
-                    gradients (and zeros for the gaps), one flat size, are copied into a new flat gradient,
-                    another -- both alive while it runs.
-    reduce_scatter: the flat gradient (the output is this rank's chunk of it: in place), plus a buffer of the
-                    input's size if the backend allocates one (gloo does; NCCL works in the buffers it is given).
-    handover:       the flat gradient and the shard copied out of it (1/N), until the flat one is released.
+    concat:         autograd's backward of the split that cut the views is a
+                    concatenation: the per-parameter gradients (and zeros for
+                    the gaps), one flat size, are copied into a new flat
+                    gradient, another -- both alive while it runs.
+    reduce_scatter: the flat gradient (the output is this rank's chunk of it: in
+                    place), plus a buffer of the input's size if the backend
+                    allocates one (gloo does; NCCL works in the buffers it is
+                    given).
+    handover:       the flat gradient and the shard copied out of it (1/N),
+                    until the flat one is released.
     kept:           the shard, in .grad until the optimizer step.
     """
     flat = padded_numel * dtype_bytes
-    return {"concat": 2 * flat, "reduce_scatter": (2 if backend_buffer else 1) * flat,
+    return {"concat": 2 * flat,
+            "reduce_scatter": (2 if backend_buffer else 1) * flat,
             "handover": flat + flat / world_size, "kept": flat / world_size}
 # --8<-- [end:fsdp_gradient_bytes]
 
@@ -155,10 +163,12 @@ def gpt_shape(layers: int, hidden: int, heads: int, vocab: int) -> ModelShape:
 
 # --8<-- [start:param_count]
 def layer_params(shape: ModelShape) -> int:
-    """One block's weight matrices: Q and O (h x h each), K and V (h x h_kv each), the MLP (2 or 3 of h x f).
+    """One block's weight matrices: Q and O (h x h each), K and V
+    (h x h_kv each), the MLP (2 or 3 of h x f).
 
-    A GPT block (f = 4h, h_kv = h, two MLP matrices) has 2h² + 2h² + 8h² = 12h². Norms and biases are
-    left out: O(h) per block, under 0.1% of a block of these widths.
+    A GPT block (f = 4h, h_kv = h, two MLP matrices) has 2h² + 2h² + 8h² = 12h².
+    Norms and biases are left out: O(h) per block, under 0.1% of a block of
+    these widths.
     """
     h, f = shape.hidden, shape.ffn
     h_kv = h * shape.kv_heads // shape.heads
@@ -166,24 +176,32 @@ def layer_params(shape: ModelShape) -> int:
 
 
 def param_count(shape: ModelShape) -> int:
-    """Ψ = L·(block) + V·h for the embedding, + V·h again for an untied output head. GPT: 12·L·h² + V·h."""
-    return shape.layers * layer_params(shape) + (1 if shape.tied else 2) * shape.vocab * shape.hidden
+    """Ψ = L·(block) + V·h for the embedding, + V·h again for an untied output
+    head. GPT: 12·L·h² + V·h."""
+    return (shape.layers * layer_params(shape)
+            + (1 if shape.tied else 2) * shape.vocab * shape.hidden)
 # --8<-- [end:param_count]
 
 
 # --8<-- [start:activation_bytes]
-def activation_bytes(shape: ModelShape, seq: int, micro_batch: int, checkpointing: str = "none",
+def activation_bytes(shape: ModelShape, seq: int, micro_batch: int,
+                     checkpointing: str = "none",
                      dtype_bytes: int = 2) -> float:
-    """What forward keeps for backward, per rank: Korthikanti et al. 2022, "Reducing Activation
-    Recomputation in Large Transformer Models" (arXiv:2205.05198), without tensor or sequence parallelism.
+    """What forward keeps for backward, per rank: Korthikanti et al. 2022,
+    "Reducing Activation Recomputation in Large Transformer Models"
+    (arXiv:2205.05198), without tensor or sequence parallelism.
 
-    One GPT block in 16 bits keeps s·b·h·(34 + 5·a·s/h) bytes: 34·s·b·h of inputs to its matmuls, norms and
-    GELU (and dropout masks), and 5·a·s²·b of attention scores and softmax, s x s for each of a heads.
+    One GPT block in 16 bits keeps s·b·h·(34 + 5·a·s/h) bytes: 34·s·b·h of
+    inputs to its matmuls, norms and GELU (and dropout masks), and 5·a·s²·b of
+    attention scores and softmax, s x s for each of a heads.
       none       every block keeps all of it;
-      selective  the attention core is recomputed (as FlashAttention does): 34·s·b·h per block;
-      full       every block keeps only its input, 2·s·b·h, and one block at a time recomputes its own.
-    fp32 doubles the 16-bit figures (the 1-byte dropout masks too: slightly over). The fp32 logits the loss
-    keeps, 4·s·b·V, come on top. An estimate: the layout of a gated MLP, GQA, and the temporaries differ.
+      selective  the attention core is recomputed (as FlashAttention does):
+                 34·s·b·h per block;
+      full       every block keeps only its input, 2·s·b·h, and one block at a
+                 time recomputes its own.
+    fp32 doubles the 16-bit figures (the 1-byte dropout masks too: slightly
+    over). The fp32 logits the loss keeps, 4·s·b·V, come on top. An estimate:
+    the layout of a gated MLP, GQA, and the temporaries differ.
     """
     s, b, h, a = seq, micro_batch, shape.hidden, shape.heads
     scale = dtype_bytes / 2
@@ -195,7 +213,8 @@ def activation_bytes(shape: ModelShape, seq: int, micro_batch: int, checkpointin
     elif checkpointing == "full":
         blocks = shape.layers * s * b * h * 2 * scale + block
     else:
-        raise ValueError(f"checkpointing must be 'none', 'selective' or 'full', not {checkpointing!r}")
+        raise ValueError(f"checkpointing must be 'none', 'selective' or "
+                         f"'full', not {checkpointing!r}")
     return blocks + 4 * s * b * shape.vocab
 # --8<-- [end:activation_bytes]
 
@@ -204,40 +223,58 @@ STRATEGIES = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "fsdp": 3, "hsdp": 3
 
 
 # --8<-- [start:estimate]
-def estimate(shape: ModelShape | None = None, psi: int | None = None, seq: int = 2048, micro_batch: int = 1,
-             world_size: int = 8, strategy: str = "fsdp", shard_size: int | None = None,
-             precision: str = "bf16", checkpointing: str = "none", prefetch: bool = True) -> dict[str, float]:
-    """Per-rank bytes of one training step with Adam(W), by category, and the bytes one rank sends per step.
+def estimate(shape: ModelShape | None = None, psi: int | None = None,
+             seq: int = 2048, micro_batch: int = 1, world_size: int = 8,
+             strategy: str = "fsdp", shard_size: int | None = None,
+             precision: str = "bf16", checkpointing: str = "none",
+             prefetch: bool = True) -> dict[str, float]:
+    """Per-rank bytes of one training step with Adam(W), by category, and the
+    bytes one rank sends per step.
 
-    Ψ is `psi` if given, else param_count(shape); without a shape there are no activations or units.
-    precision "fp32": 4 + 4 + 8 bytes per parameter; "bf16": the ZeRO paper's 2 + 2 + K, K = 12 (an fp32
-    master copy, momentum and variance), with bf16 activations, gathers and reductions.
-    strategy "hsdp" shards over groups of `shard_size` ranks and replicates across the N / shard_size groups.
-    units: the full bf16/fp32 parameters of the FSDP units being computed, one unit per block, two with
-    prefetch (the next unit's all-gather in flight), none when the shard group is a single rank.
+    Ψ is `psi` if given, else param_count(shape); without a shape there are no
+    activations or units.
+    precision "fp32": 4 + 4 + 8 bytes per parameter; "bf16": the ZeRO paper's
+    2 + 2 + K, K = 12 (an fp32 master copy, momentum and variance), with bf16
+    activations, gathers and reductions.
+    strategy "hsdp" shards over groups of `shard_size` ranks and replicates
+    across the N / shard_size groups.
+    units: the full bf16/fp32 parameters of the FSDP units being computed, one
+    unit per block, two with prefetch (the next unit's all-gather in flight),
+    none when the shard group is a single rank.
     """
     if strategy not in STRATEGIES:
-        raise ValueError(f"strategy must be one of {sorted(STRATEGIES)}, not {strategy!r}")
+        raise ValueError(f"strategy must be one of {sorted(STRATEGIES)}, "
+                         f"not {strategy!r}")
     if precision not in ("fp32", "bf16"):
-        raise ValueError(f"precision must be 'fp32' or 'bf16', not {precision!r}")
+        raise ValueError(
+            f"precision must be 'fp32' or 'bf16', not {precision!r}")
     n, stage = world_size, STRATEGIES[strategy]
-    group = (shard_size or n) if strategy == "hsdp" else n  # the ranks the model states are sharded over
+    # the ranks the model states are sharded over
+    group = (shard_size or n) if strategy == "hsdp" else n
     if n % group:
-        raise ValueError(f"the shard group ({group}) must divide the world size ({n})")
+        raise ValueError(
+            f"the shard group ({group}) must divide the world size ({n})")
     psi = psi if psi is not None else param_count(shape)
     per_param = FP32_ADAM if precision == "fp32" else mixed_precision_adam(12)
-    dtype = per_param[0]  # what is computed with, gathered and reduced: 4 or 2 bytes
+    # what is computed with, gathered and reduced: 4 or 2 bytes
+    dtype = per_param[0]
     out = model_state_bytes(psi, group, stage, per_param)
     unit_alive = stage == 3 and group > 1 and shape is not None
-    out["units"] = float((2 if prefetch else 1) * layer_params(shape) * dtype) if unit_alive else 0.0
-    out["activations"] = activation_bytes(shape, seq, micro_batch, checkpointing, dtype) if shape else 0.0
+    out["units"] = (float((2 if prefetch else 1) * layer_params(shape) * dtype)
+                    if unit_alive else 0.0)
+    out["activations"] = (activation_bytes(shape, seq, micro_batch,
+                                           checkpointing, dtype)
+                          if shape else 0.0)
     out["total"] += out["units"] + out["activations"]
     out["psi"] = psi
-    if strategy == "hsdp":  # FSDP inside the group, then an all-reduce of each shard across the groups
+    # HSDP: FSDP inside the group, then each shard all-reduced across groups
+    if strategy == "hsdp":
         out["sent_within"] = comm_bytes_per_step(psi, group, 3, dtype)
-        out["sent_across"] = comm_bytes_per_step(psi / group, n // group, 0, dtype)
+        out["sent_across"] = comm_bytes_per_step(psi / group, n // group, 0,
+                                                 dtype)
     else:
-        out["sent_within"], out["sent_across"] = comm_bytes_per_step(psi, n, stage, dtype), 0.0
+        out["sent_within"], out["sent_across"] = (
+            comm_bytes_per_step(psi, n, stage, dtype), 0.0)
     out["sent"] = out["sent_within"] + out["sent_across"]
     return out
 # --8<-- [end:estimate]

@@ -43,18 +43,22 @@ def pipeline_actions(spans: list[Span]) -> list[tuple[Action, float, float]]:
 
 # --8<-- [start:bubble]
 def bubble_fractions(timelines: list[list[Span]]) -> list[float]:
-    """Per rank, 1 - (its compute time) / (the pipeline's step: from the first action anywhere to the last
-    action anywhere). The ranks' clocks must share an origin (Timeline starts them at a barrier)."""
+    """Per rank, 1 - (its compute time) / (the pipeline's step: from the first
+    action anywhere to the last action anywhere). The ranks' clocks must share
+    an origin (Timeline starts them at a barrier)."""
     per_rank = [pipeline_actions(spans) for spans in timelines]
     start = min(s for actions in per_rank for _, s, _ in actions)
     end = max(e for actions in per_rank for _, _, e in actions)
-    return [1 - sum(e - s for _, s, e in actions) / (end - start) for actions in per_rank]
+    return [1 - sum(e - s for _, s, e in actions) / (end - start)
+            for actions in per_rank]
 
 
 def bubble_formula(p: int, m: int, v: int = 1) -> float:
-    """The idle share of a step, for p ranks, m micro-batches and v stages per rank, each action of a stage
-    taking the same time: the fill and the drain take (p - 1) slots of a 1/v-stage action, against v*m of
-    work: (p - 1) / (v*m + p - 1). (Megatron's (p - 1) / (v*m) is the same bubble over the ideal time.)"""
+    """The idle share of a step, for p ranks, m micro-batches and v stages per
+    rank, each action of a stage taking the same time: the fill and the drain
+    take (p - 1) slots of a 1/v-stage action, against v*m of work:
+    (p - 1) / (v*m + p - 1). (Megatron's (p - 1) / (v*m) is the same bubble over
+    the ideal time.)"""
     return (p - 1) / (v * m + p - 1)
 # --8<-- [end:bubble]
 
@@ -79,10 +83,13 @@ def in_flight_peak(spans: list[Span]) -> int:
 
 
 # --8<-- [start:simulate]
-def simulate(orders: list[list[Action]], t_forward: float, t_backward: float) -> list[list[Span]]:
-    """Each rank's spans if `orders[r]` ran on rank r of an ideal machine: an action starts when its rank is
-    free and its input is there -- a forward needs the previous stage's forward of the micro-batch, a backward
-    the next stage's backward (or, on the last stage, its own forward) -- and lasts t_forward or t_backward."""
+def simulate(orders: list[list[Action]], t_forward: float,
+             t_backward: float) -> list[list[Span]]:
+    """Each rank's spans if `orders[r]` ran on rank r of an ideal machine: an
+    action starts when its rank is free and its input is there -- a forward
+    needs the previous stage's forward of the micro-batch, a backward the next
+    stage's backward (or, on the last stage, its own forward) -- and lasts
+    t_forward or t_backward."""
     num_stages = 1 + max(a.stage for order in orders for a in order)
     done: dict[Action, float] = {}
     free = [0.0] * len(orders)
@@ -94,22 +101,28 @@ def simulate(orders: list[list[Action]], t_forward: float, t_backward: float) ->
             while position[r] < len(order):
                 a = order[position[r]]
                 if a.kind == FORWARD:
-                    needs = [Action(FORWARD, a.stage - 1, a.microbatch)] if a.stage > 0 else []
+                    needs = ([Action(FORWARD, a.stage - 1, a.microbatch)]
+                             if a.stage > 0 else [])
                 else:
                     needs = [Action(FORWARD, a.stage, a.microbatch)]
                     if a.stage < num_stages - 1:
-                        needs.append(Action(BACKWARD, a.stage + 1, a.microbatch))
+                        needs.append(
+                            Action(BACKWARD, a.stage + 1, a.microbatch))
                 if any(n not in done for n in needs):
                     break
                 start = max([free[r]] + [done[n] for n in needs])
-                free[r] = done[a] = start + (t_forward if a.kind == FORWARD else t_backward)
+                took = t_forward if a.kind == FORWARD else t_backward
+                free[r] = done[a] = start + took
                 spans[r].append(Span("compute", str(a), start, free[r]))
                 position[r] += 1
                 progressed = True
         if not progressed:
-            stuck = {r: str(order[position[r]]) for r, order in enumerate(orders) if position[r] < len(order)}
-            raise RuntimeError(f"these orders cannot finish: every rank waits for an action that never comes "
-                               f"(rank: next action) {stuck}")
+            stuck = {r: str(order[position[r]])
+                     for r, order in enumerate(orders)
+                     if position[r] < len(order)}
+            raise RuntimeError(
+                f"these orders cannot finish: every rank waits for an action "
+                f"that never comes (rank: next action) {stuck}")
     return spans
 # --8<-- [end:simulate]
 

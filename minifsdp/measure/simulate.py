@@ -215,7 +215,8 @@ class StepMeter(MemoryMeter):
 
 # --8<-- [start:device_lag]
 class _HeldUntilSynced:
-    """A freed buffer's memory as the device still holds it: released when the CPU waits for the device."""
+    """A freed buffer's memory as the device still holds it: released when the
+    CPU waits for the device."""
 
     def __init__(self, memory: torch.Tensor):
         self.memory = memory
@@ -225,25 +226,31 @@ class _HeldUntilSynced:
 
 
 class DeviceLag(AllGatherLimiter):
-    """FSDP's rate limiter (chapter 7) with a GPU as far behind the CPU as it can be.
+    """FSDP's rate limiter (chapter 7) with a GPU as far behind the CPU as it
+    can be.
 
-    On a GPU, reshard() frees a unit's full parameters in the CPU's program order, but the caching allocator
-    may hand the memory out again only once the GPU has run the kernels queued before the free (the buffer
-    was record_stream'ed). A CPU far ahead keeps issuing all-gathers into new memory meanwhile. On the meta
-    device (and on the CPU) a free is immediate, so the simulator would never see it; this limiter makes it
-    visible: each free leaves a meta tensor of the buffer's size -- memory the allocator cannot reuse yet,
-    counted under "unsharded" -- until the CPU waits for that free. With limit_all_gathers, the CPU waits for
-    the oldest free before an all-gather once `limit` (2) are pending; without, it never waits: the worst
-    case, a device that has run nothing yet, until the CPU synchronises (`synchronize_all`, which the
-    simulator calls after forward and after backward, where a training loop reads the loss or the optimizer
-    waits for the gradients)."""
+    On a GPU, reshard() frees a unit's full parameters in the CPU's program
+    order, but the caching allocator may hand the memory out again only once the
+    GPU has run the kernels queued before the free (the buffer was
+    record_stream'ed). A CPU far ahead keeps issuing all-gathers into new memory
+    meanwhile. On the meta device (and on the CPU) a free is immediate, so the
+    simulator would never see it; this limiter makes it visible: each free
+    leaves a meta tensor of the buffer's size -- memory the allocator cannot
+    reuse yet, counted under "unsharded" -- until the CPU waits for that free.
+    With limit_all_gathers, the CPU waits for the oldest free before an
+    all-gather once `limit` (2) are pending; without, it never waits: the worst
+    case, a device that has run nothing yet, until the CPU synchronises
+    (`synchronize_all`, which the simulator calls after forward and after
+    backward, where a training loop reads the loss or the optimizer waits for
+    the gradients)."""
 
     def __init__(self, meter: MemoryMeter, limit: float = 2):
         super().__init__(limit=limit)
         self.meter = meter
 
     def freed(self, buffer: torch.Tensor) -> None:
-        held = torch.empty(buffer.numel(), dtype=buffer.dtype, device=buffer.device)
+        held = torch.empty(buffer.numel(), dtype=buffer.dtype,
+                           device=buffer.device)
         self.meter.watch([held], "unsharded")
         self.pending.append(_HeldUntilSynced(held))
 
@@ -265,30 +272,39 @@ def _install_device_lag(wrapped, meter: MemoryMeter, limit_all_gathers: bool) ->
 # -- one simulated rank --------------------------------------------------------------------------------------------
 # --8<-- [start:rank0]
 def rank0(spec: Spec) -> dict:
-    """Rank 0's memory per phase and bytes per collective for one training step (the second). Runs inside
-    launch(..., backend="fake") -- or, for a check, on real CPU tensors under the same fake group."""
+    """Rank 0's memory per phase and bytes per collective for one training step
+    (the second). Runs inside launch(..., backend="fake") -- or, for a check, on
+    real CPU tensors under the same fake group."""
     from minifsdp.fsdp.checkpointing import checkpoint_module
 
     spec.check()
     start = time.perf_counter()
     n, device = comm.world_size(), torch.device(spec.device)
-    with device:  # every parameter made on `device`: on meta, shapes without memory
+    # every parameter made on `device`: on meta, shapes without memory
+    with device:
         model = Llama(spec.config())
     if spec.precision == "bf16-master":
         model.to(torch.bfloat16)
     psi = count_params(model)
-    if spec.checkpoint_activations:  # FSDP(checkpoint(layer)): recomputed inside the unit's backward
+    # FSDP(checkpoint(layer)): recomputed inside the unit's backward
+    if spec.checkpoint_activations:
         for layer in model.layers:
             checkpoint_module(layer)
     wrapped, optimizer = wrap(model, spec)
-    # refresh=False: every resize in minifsdp's wrappers is announced (events.STORAGE_RESIZED), so the meter
-    # need not re-read every live storage's size at every op -- what would make a 70B model slow
-    meter = StepMeter(wrapped, optimizer, categories=CATEGORIES + ("unsharded",), refresh=spec.refresh,
-                      grad_params=list(wrapped.parameters()) if STAGES[spec.strategy] >= 2 else ())
+    # refresh=False: every resize in minifsdp's wrappers is announced
+    # (events.STORAGE_RESIZED), so the meter need not re-read every live
+    # storage's size at every op -- what would make a 70B model slow
+    grad_params = (list(wrapped.parameters())
+                   if STAGES[spec.strategy] >= 2 else ())
+    meter = StepMeter(wrapped, optimizer,
+                      categories=CATEGORIES + ("unsharded",),
+                      refresh=spec.refresh, grad_params=grad_params)
     meter.watch(unsharded_buffers(wrapped, spec.strategy), "unsharded")
-    lag = _install_device_lag(wrapped, meter, spec.limit_all_gathers) if spec.device_lag else None
+    lag = (_install_device_lag(wrapped, meter, spec.limit_all_gathers)
+           if spec.device_lag else None)
     phases = {"after wrapping": meter.live()}
-    tokens = torch.zeros(spec.micro_batch, spec.seq_len, dtype=torch.long, device=device)
+    tokens = torch.zeros(spec.micro_batch, spec.seq_len, dtype=torch.long,
+                         device=device)
 
     if spec.warmup:  # step 1, the warm-up: not measured
         wrapped(tokens, tokens).backward()
@@ -296,11 +312,13 @@ def rank0(spec: Spec) -> dict:
         optimizer.zero_grad(set_to_none=True)
         if lag is not None:
             lag.synchronize_all()
-        meter.watch(unsharded_buffers(wrapped, spec.strategy), "unsharded")  # (fully_shard makes them in step 1)
+        # (fully_shard makes them in step 1)
+        meter.watch(unsharded_buffers(wrapped, spec.strategy), "unsharded")
 
     comm_by_phase, events, most = {}, [], {}
     with meter:
-        for phase, run in (("forward", lambda: wrapped(tokens, tokens)), ("backward", lambda: loss.backward()),
+        for phase, run in (("forward", lambda: wrapped(tokens, tokens)),
+                           ("backward", lambda: loss.backward()),
                            ("optimizer step", optimizer.step)):
             meter.reset_peak()
             with comm.counting(record=spec.record) as counter:
@@ -311,13 +329,17 @@ def rank0(spec: Spec) -> dict:
             if lag is not None and phase != "optimizer step":
                 lag.synchronize_all()
             phases[f"peak of {phase}"] = meter.peak_snapshot()
-            most[phase] = dict(meter.category_peak)  # each category's own highest in the phase
-            comm_by_phase[phase] = {"bytes": dict(counter.bytes), "calls": dict(counter.calls)}
+            # each category's own highest in the phase
+            most[phase] = dict(meter.category_peak)
+            comm_by_phase[phase] = {"bytes": dict(counter.bytes),
+                                    "calls": dict(counter.calls)}
         phases["after optimizer step"] = meter.live()
     meter.close()
-    return {"spec": dataclasses.asdict(spec), "psi": psi, "world_size": n, "phases": phases, "most": most,
-            "comm": comm_by_phase, "events": events, "units": units(wrapped, spec.strategy, n),
-            "stepped": stepped(optimizer)[0], "stepped_tensors": stepped(optimizer)[1],
+    return {"spec": dataclasses.asdict(spec), "psi": psi, "world_size": n,
+            "phases": phases, "most": most, "comm": comm_by_phase,
+            "events": events, "units": units(wrapped, spec.strategy, n),
+            "stepped": stepped(optimizer)[0],
+            "stepped_tensors": stepped(optimizer)[1],
             "seconds": time.perf_counter() - start}
 # --8<-- [end:rank0]
 

@@ -57,43 +57,55 @@ class Link:
 
 # --8<-- [start:alpha_beta]
 def algorithm_steps(kind: str, n: int, algorithm: str = "ring") -> int:
-    """How many steps (each paying alpha once) a collective over n ranks takes."""
+    """How many steps (each paying alpha once) a collective over n ranks
+    takes."""
     if n <= 1:
         return 0
-    # BEGIN EXERCISE 13.1: a ring's steps (an all-reduce is a reduce-scatter then an all-gather); a tree's
+    # BEGIN EXERCISE 13.1: a ring's steps (an all-reduce is two rings); a tree's
     if algorithm == "ring":
         return 2 * (n - 1) if kind == "all_reduce" else n - 1
     if algorithm == "tree":
         if kind != "all_reduce":
-            raise ValueError("the tree algorithm is an all-reduce's (as in NCCL): all-gather and "
-                             "reduce-scatter are rings")
-        return 2 * math.ceil(math.log2(n))  # up the tree (reduce), then down it (broadcast)
+            raise ValueError("the tree algorithm is an all-reduce's (as in "
+                             "NCCL): all-gather and reduce-scatter are rings")
+        # up the tree (reduce), then down it (broadcast)
+        return 2 * math.ceil(math.log2(n))
     # END EXERCISE
     raise ValueError(f"algorithm must be 'ring' or 'tree', not {algorithm!r}")
 
 
-def wire_bytes(kind: str, nbytes: float, n: int, algorithm: str = "ring") -> float:
-    """Bytes one rank sends: a ring's are the counter's ring_bytes; a pipelined tree all-reduce sends the
-    whole buffer up and the whole result down, 2S, whatever n is."""
+def wire_bytes(kind: str, nbytes: float, n: int,
+               algorithm: str = "ring") -> float:
+    """Bytes one rank sends: a ring's are the counter's ring_bytes; a pipelined
+    tree all-reduce sends the whole buffer up and the whole result down, 2S,
+    whatever n is."""
     if n <= 1:
         return 0.0
     return ring_bytes(kind, nbytes, n) if algorithm == "ring" else 2.0 * nbytes
 
 
-def alpha_beta(kind: str, nbytes: float, n: int, link: Link, algorithm: str = "ring") -> float:
-    """Seconds for a collective over `nbytes` (the full, unsharded size) on n ranks of one kind of link:
-    alpha * steps + bytes on the wire / bandwidth."""
+def alpha_beta(kind: str, nbytes: float, n: int, link: Link,
+               algorithm: str = "ring") -> float:
+    """Seconds for a collective over `nbytes` (the full, unsharded size) on n
+    ranks of one kind of link: alpha * steps + bytes on the wire / bandwidth."""
     if algorithm == "auto":
-        return min(alpha_beta(kind, nbytes, n, link, a) for a in ("ring", "tree")) if kind == "all_reduce" \
-            else alpha_beta(kind, nbytes, n, link, "ring")
+        if kind == "all_reduce":
+            return min(alpha_beta(kind, nbytes, n, link, a)
+                       for a in ("ring", "tree"))
+        return alpha_beta(kind, nbytes, n, link, "ring")
     step = link.alpha if algorithm == "ring" else link.tree_step
-    return step * algorithm_steps(kind, n, algorithm) + wire_bytes(kind, nbytes, n, algorithm) / link.busbw
+    return (step * algorithm_steps(kind, n, algorithm)
+            + wire_bytes(kind, nbytes, n, algorithm) / link.busbw)
 
 
 def ring_tree_crossover(n: int, link: Link) -> float:
-    """The all-reduce size (bytes) below which a tree beats a ring on n ranks of `link`, with L = log2(n):
-    2(n-1)a + 2S(n-1)/(nB) = 2L t + 2S/B  gives  S = n B ((n-1)a - L t)  (a, t: a ring's and a tree's step)."""
-    return max(0.0, n * link.busbw * ((n - 1) * link.alpha - math.ceil(math.log2(n)) * link.tree_step))
+    """The all-reduce size (bytes) below which a tree beats a ring on n ranks
+    of `link`, with L = log2(n):
+    2(n-1)a + 2S(n-1)/(nB) = 2L t + 2S/B  gives  S = n B ((n-1)a - L t)
+    (a, t: a ring's and a tree's step)."""
+    L = math.ceil(math.log2(n))
+    return max(0.0,
+               n * link.busbw * ((n - 1) * link.alpha - L * link.tree_step))
 # --8<-- [end:alpha_beta]
 
 
@@ -167,20 +179,23 @@ class Cluster:
 
     # --8<-- [start:hierarchy]
     def busbw(self, group: Group) -> float:
-        """The bus bandwidth a group's ranks get. Within a node: NVLink's. Across nodes, a ring enters and
-        leaves each node once per channel, and NCCL runs one channel per NIC: with p of the group's ranks on
-        a node, each owning a NIC, the node's p NICs carry the group's traffic side by side, so a rank moves
-        min(NVLink, p * NIC). One rank per node (HSDP's replicas): one NIC's bandwidth. With
-        spread_rings=False, every group that spans nodes gets one NIC's bandwidth: as if each rank sent all
-        its bytes through its own NIC."""
+        """The bus bandwidth a group's ranks get. Within a node: NVLink's. Across
+        nodes, a ring enters and leaves each node once per channel, and NCCL runs
+        one channel per NIC: with p of the group's ranks on a node, each owning a
+        NIC, the node's p NICs carry the group's traffic side by side, so a rank
+        moves min(NVLink, p * NIC). One rank per node (HSDP's replicas): one NIC's
+        bandwidth. With spread_rings=False, every group that spans nodes gets one
+        NIC's bandwidth: as if each rank sent all its bytes through its own NIC."""
         if group.nodes == 1:
             return self.gpu.nvlink.busbw
         rails = min(group.per_node, self.nics_per_node) if self.spread_rings else 1
         return min(self.gpu.nvlink.busbw, rails * self.nic.busbw)
 
-    def collective(self, kind: str, nbytes: float, group: Group, algorithm: str = "auto") -> float:
-        """alpha-beta on this cluster: the steps that cross nodes pay the network's alpha, the others NVLink's
-        (NCCL's tuning model does the same); the bytes go at `busbw(group)`."""
+    def collective(self, kind: str, nbytes: float, group: Group,
+                   algorithm: str = "auto") -> float:
+        """alpha-beta on this cluster: the steps that cross nodes pay the network's
+        alpha, the others NVLink's (NCCL's tuning model does the same); the bytes go
+        at `busbw(group)`."""
         n = group.size
         if n <= 1 or nbytes <= 0:
             return 0.0
@@ -194,7 +209,8 @@ class Cluster:
             latency = (steps - inter) * a_in + inter * a_net
         else:  # a tree within each node and one across the nodes, up and down
             algorithm_steps(kind, n, "tree")  # (checks the kind)
-            latency = 2 * (math.ceil(math.log2(max(1, min(n, group.per_node)))) * self.gpu.nvlink.tree_step
+            depth_in_node = math.ceil(math.log2(max(1, min(n, group.per_node))))
+            latency = 2 * (depth_in_node * self.gpu.nvlink.tree_step
                            + math.ceil(math.log2(k)) * self.nic.tree_step)
         return latency + wire_bytes(kind, nbytes, n, algorithm) / self.busbw(group)
     # --8<-- [end:hierarchy]
@@ -248,10 +264,12 @@ class Transformer:
 
     # --8<-- [start:flops]
     def model_flops_per_token(self, seq_len: int) -> float:
-        """Forward + backward FLOPs of one token, the convention MFU is reported in (PaLM, Chowdhery et al.
-        2022, appendix B; Megatron-LM, Narayanan et al. 2021; torchtitan's and llm-foundry's MFU): 6 per
-        parameter (2 forward, 4 backward), plus the attention scores and values, 12 * layers * d_model *
-        seq_len -- counted as if no mask skipped half of them. Recomputation is not counted."""
+        """Forward + backward FLOPs of one token, the convention MFU is reported in
+        (PaLM, Chowdhery et al. 2022, appendix B; Megatron-LM, Narayanan et al.
+        2021; torchtitan's and llm-foundry's MFU): 6 per parameter
+        (2 forward, 4 backward), plus the attention scores and values,
+        12 * layers * d_model * seq_len -- counted as if no mask skipped half of
+        them. Recomputation is not counted."""
         return 6 * self.params(seq_len) + 12 * self.layers * self.d_model * seq_len
     # --8<-- [end:flops]
 
@@ -363,10 +381,11 @@ class Simulated:
 
 # --8<-- [start:simulate]
 def simulate(program) -> Simulated:
-    """Run a program on one compute stream and one FIFO channel per process group."""
-    now = 0.0                                 # the compute stream's clock
-    free = defaultdict(float)                 # channel -> when it has carried all it was given
-    done: dict[str, float] = {}               # collective tag -> when it completes
+    """Run a program on one compute stream and one FIFO channel per process
+    group."""
+    now = 0.0                    # the compute stream's clock
+    free = defaultdict(float)    # channel -> when all it was given is carried
+    done: dict[str, float] = {}  # collective tag -> when it completes
     spans, compute, comm, waiting = [], 0.0, 0.0, 0.0
     for op in program:
         if isinstance(op, Compute):
@@ -376,19 +395,22 @@ def simulate(program) -> Simulated:
             continue
         if not isinstance(op, (Collective, Wait)):
             raise TypeError(f"not a program step: {op!r}")
-        # BEGIN EXERCISE 13.2: when a collective starts and ends (one FIFO per channel); what a wait costs
+        # BEGIN EXERCISE 13.2: when a collective runs (FIFO); what a wait costs
         if isinstance(op, Collective):
             start = max([now, free[op.channel]] + [done[t] for t in op.after])
             done[op.tag] = free[op.channel] = start + op.seconds
             spans.append(Span(op.kind, op.tag, start, start + op.seconds))
             comm += op.seconds
-        elif done[op.tag] > now:  # a Wait on a collective still running: the compute stream sits until it ends
+        elif done[op.tag] > now:
+            # a Wait on a collective still running: the compute stream sits
+            # until it ends
             spans.append(Span("wait", op.tag, now, done[op.tag]))
             waiting += done[op.tag] - now
             now = done[op.tag]
         # END EXERCISE
     end = max([now] + list(done.values()))
-    return Simulated(end, compute, comm, waiting, sorted(spans, key=lambda s: s.start))
+    return Simulated(end, compute, comm, waiting,
+                     sorted(spans, key=lambda s: s.start))
 # --8<-- [end:simulate]
 
 
@@ -420,45 +442,58 @@ def optimizer_seconds(local_params: float, cluster: Cluster) -> float:
 
 
 # --8<-- [start:fsdp_program]
-def fsdp_program(unit_list: list[Unit], ag, rs, forward_prefetch: bool = True, backward_prefetch="pre",
-                 reduce: bool = True, hsdp_ar=None) -> list:
-    """One micro-step of minifsdp's FullyShardedDataParallel (reshard after forward), in its issue order:
-    `ag(unit)` and `rs(unit)` give a collective's seconds; `hsdp_ar(unit)`, if given, the all-reduce of the
-    gradient shard across replicas that HYBRID_SHARD issues once the reduce-scatter is done. reduce=False:
-    inside no_sync(), nothing is reduced (the gathers still happen)."""
+def fsdp_program(unit_list: list[Unit], ag, rs, forward_prefetch: bool = True,
+                 backward_prefetch="pre", reduce: bool = True,
+                 hsdp_ar=None) -> list:
+    """One micro-step of minifsdp's FullyShardedDataParallel (reshard after
+    forward), in its issue order: `ag(unit)` and `rs(unit)` give a collective's
+    seconds; `hsdp_ar(unit)`, if given, the all-reduce of the gradient shard
+    across replicas that HYBRID_SHARD issues once the reduce-scatter is done.
+    reduce=False: inside no_sync(), nothing is reduced (the gathers still
+    happen)."""
     root, blocks = unit_list[0], unit_list[1:]
     prog, issued = [], set()
 
     def gather(u, phase):
         if (u.name, phase) not in issued:
             issued.add((u.name, phase))
-            prog.append(Collective(f"{phase} all_gather {u.name}", "all_gather", "shard", ag(u)))
+            prog.append(Collective(f"{phase} all_gather {u.name}",
+                                   "all_gather", "shard", ag(u)))
 
-    # forward: the root gathers itself (and with forward_prefetch, blocks.0), computes the embedding; each
-    # block issues its own all-gather unless a prefetch did, then the next one's, then waits for its own
+    # forward: the root gathers itself (and with forward_prefetch, blocks.0),
+    # computes the embedding; each block issues its own all-gather unless a
+    # prefetch did, then the next one's, then waits for its own
     gather(root, "forward")
     if forward_prefetch and blocks:
         gather(blocks[0], "forward")
-    prog += [Wait(f"forward all_gather {root.name}"), Compute(f"forward {root.name}", root.forward[0])]
+    prog += [Wait(f"forward all_gather {root.name}"),
+             Compute(f"forward {root.name}", root.forward[0])]
     for i, u in enumerate(blocks):
         gather(u, "forward")
         if forward_prefetch and i + 1 < len(blocks):
             gather(blocks[i + 1], "forward")
-        prog += [Wait(f"forward all_gather {u.name}"), Compute(f"forward {u.name}", u.forward[0])]
-    prog.append(Compute(f"forward {root.name}", root.forward[1]))  # the head; the root keeps its parameters
+        prog += [Wait(f"forward all_gather {u.name}"),
+                 Compute(f"forward {u.name}", u.forward[0])]
+    # the head; the root keeps its parameters
+    prog.append(Compute(f"forward {root.name}", root.forward[1]))
 
-    # backward: the root's head first (its parameters are still there); then each block, last to first
+    # backward: the root's head first (its parameters are still there); then
+    # each block, last to first
     pending = []
 
     def reduce_scatter(u):
         tag = f"reduce_scatter {u.name}"
         prog.append(Collective(tag, "reduce_scatter", "shard", rs(u)))
-        if hsdp_ar is not None:  # HYBRID_SHARD: then average the shard across the replicas
-            prog.append(Collective(f"all_reduce {u.name}", "all_reduce", "replicate", hsdp_ar(u), after=(tag,)))
+        # HYBRID_SHARD: then average the shard across the replicas
+        if hsdp_ar is not None:
+            prog.append(Collective(f"all_reduce {u.name}", "all_reduce",
+                                   "replicate", hsdp_ar(u), after=(tag,)))
             tag = f"all_reduce {u.name}"
         pending.append(tag)
 
-    def before_concat():  # _before_concat: the earlier units' reductions are waited for, their gradients freed
+    # _before_concat: the earlier units' reductions are waited for, their
+    # gradients freed
+    def before_concat():
         prog.extend(Wait(t) for t in pending)
         pending.clear()
 
@@ -467,20 +502,26 @@ def fsdp_program(unit_list: list[Unit], ag, rs, forward_prefetch: bool = True, b
     prog.append(Compute(f"backward {root.name}", root.backward[0]))
     for i in range(len(blocks) - 1, -1, -1):
         u = blocks[i]
-        gather(u, "backward")                                  # _pre_backward: our own ...
+        # _pre_backward: our own all-gather ...
+        gather(u, "backward")
         if backward_prefetch == "pre" and i > 0:
-            gather(blocks[i - 1], "backward")                  # ... then BACKWARD_PRE's prefetch
-        prog += [Wait(f"backward all_gather {u.name}"), Compute(f"backward {u.name}", u.backward[0])]
+            # ... then BACKWARD_PRE's prefetch
+            gather(blocks[i - 1], "backward")
+        prog += [Wait(f"backward all_gather {u.name}"),
+                 Compute(f"backward {u.name}", u.backward[0])]
         before_concat()
-        if backward_prefetch == "post" and i > 0:              # _post_backward: BACKWARD_POST's prefetch ...
+        # _post_backward: BACKWARD_POST's prefetch ...
+        if backward_prefetch == "post" and i > 0:
             gather(blocks[i - 1], "backward")
         if reduce:
-            reduce_scatter(u)                                   # ... ahead of our reduce-scatter
-    prog.append(Compute(f"backward {root.name}", root.backward[1]))  # the embedding's gradient
+            # ... ahead of our reduce-scatter
+            reduce_scatter(u)
+    # the embedding's gradient
+    prog.append(Compute(f"backward {root.name}", root.backward[1]))
     before_concat()
     if reduce:
         reduce_scatter(root)
-    prog.extend(Wait(t) for t in pending)                      # _finish_backward
+    prog.extend(Wait(t) for t in pending)  # _finish_backward
     return prog
 # --8<-- [end:fsdp_program]
 

@@ -188,17 +188,21 @@ def _union_length(intervals) -> float:
 
 # --8<-- [start:hidden_fraction]
 def hidden_fraction(spans: list[Span]) -> float:
-    """The share of the time something was on the wire during which this rank was NOT blocked waiting.
+    """The share of the time something was on the wire during which this rank
+    was NOT blocked waiting.
 
-    1.0: every collective overlapped with other work; 0.0: the rank waited through all of them.
+    1.0: every collective overlapped with other work; 0.0: the rank waited
+    through all of them.
     """
-    # BEGIN EXERCISE 7.3: comm time (union of collectives) and the part of it spent waiting
-    comm_spans = [(s.start, s.end) for s in spans if s.lane not in ("compute", "wait")]
+    # BEGIN EXERCISE 7.3: union of collectives' time, and the part spent waiting
+    comm_spans = [(s.start, s.end) for s in spans
+                  if s.lane not in ("compute", "wait")]
     waits = [(s.start, s.end) for s in spans if s.lane == "wait"]
     busy = _union_length(comm_spans)
     if busy == 0:
         return 1.0
-    exposed = sum(_union_length([(max(s, ws), min(e, we)) for ws, we in waits if min(e, we) > max(s, ws)])
+    exposed = sum(_union_length([(max(s, ws), min(e, we)) for ws, we in waits
+                                 if min(e, we) > max(s, ws)])
                   for s, e in _merge(comm_spans))
     return 1.0 - exposed / busy
     # END EXERCISE

@@ -37,14 +37,19 @@ from minifsdp.distributed import comm
 
 # --8<-- [start:allreduce_gradients]
 def allreduce_gradients(module: nn.Module, group=None) -> None:
-    """Average the gradients of `module`'s parameters over the data-parallel `group`: one all-reduce of them
-    all, flattened (one message instead of one per parameter, the bucket of chapter 1 made as large as the
-    model). A parameter without a gradient sends zeros: every rank of the group must send the same bytes."""
+    """Average the gradients of `module`'s parameters over the data-parallel
+    `group`: one all-reduce of them all, flattened (one message instead of one
+    per parameter, the bucket of chapter 1 made as large as the model). A
+    parameter without a gradient sends zeros: every rank of the group must send
+    the same bytes."""
     params = [p for p in module.parameters() if p.requires_grad]
     if not params or comm.world_size(group) == 1:
         return
-    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
-    flat.div_(comm.world_size(group))  # divided before the sum, as DDP does: the sum cannot overflow in fp16
+    flat = torch.cat([
+        (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+        for p in params])
+    # divided before the sum, as DDP does: the sum cannot overflow in fp16
+    flat.div_(comm.world_size(group))
     comm.all_reduce(flat, group=group, tag="data-parallel gradients")
     for p, g in zip(params, flat.split([p.numel() for p in params])):
         if p.grad is None:

@@ -50,36 +50,47 @@ def divide(size: int, t: int, what: str, stride: int = 1) -> int:
 
 
 # --8<-- [start:shard_of]
-def shard_of(full: torch.Tensor, dim: int, rank: int, world_size: int, stride: int = 1) -> torch.Tensor:
-    """Rank `rank`'s part of `full`, split along `dim` (a copy: the full tensor can go).
+def shard_of(full: torch.Tensor, dim: int, rank: int, world_size: int,
+             stride: int = 1) -> torch.Tensor:
+    """Rank `rank`'s part of `full`, split along `dim` (a copy: the full tensor
+    can go).
 
-    stride k: the dimension is k matrices stacked (TinyGPT's qkv weight: all q rows, then all k, then all v), so it
-    is cut in k*t pieces and rank r takes pieces r, r + t, ..., r + (k-1)t -- its slice of each matrix."""
+    stride k: the dimension is k matrices stacked (TinyGPT's qkv weight: all q
+    rows, then all k, then all v), so it is cut in k*t pieces and rank r takes
+    pieces r, r + t, ..., r + (k-1)t -- its slice of each matrix."""
     pieces = full.detach().chunk(stride * world_size, dim)
     return torch.cat(pieces[rank::world_size], dim)
 
 
-def full_tensor(local: torch.Tensor, param: nn.Parameter, group=None) -> torch.Tensor:
-    """The whole tensor of which `local` (the parameter `param` itself, or its gradient) is this rank's part,
-    all-gathered from the group; a replicated parameter's tensor is returned as it is (a copy)."""
-    if not getattr(param, "tensor_model_parallel", False) or comm.world_size(group) == 1:
+def full_tensor(local: torch.Tensor, param: nn.Parameter,
+                group=None) -> torch.Tensor:
+    """The whole tensor of which `local` (the parameter `param` itself, or its
+    gradient) is this rank's part, all-gathered from the group; a replicated
+    parameter's tensor is returned as it is (a copy)."""
+    if (not getattr(param, "tensor_model_parallel", False)
+            or comm.world_size(group) == 1):
         return local.detach().clone()
-    t, dim, stride = comm.world_size(group), param.partition_dim, param.partition_stride
+    t, dim, stride = (comm.world_size(group), param.partition_dim,
+                      param.partition_stride)
     moved = local.detach().movedim(dim, 0).contiguous()
     out = moved.new_empty((t * moved.shape[0],) + tuple(moved.shape[1:]))
     comm.all_gather(out, moved, group=group, tag="full_tensor")
-    # rank-major pieces [t, stride, n/stride, ...] back into the full order [stride, t, n/stride, ...]
+    # rank-major pieces [t, stride, n/stride, ...] back into the full order
+    # [stride, t, n/stride, ...]
     rest = tuple(moved.shape[1:])
-    out = out.view(t, stride, moved.shape[0] // stride, *rest).transpose(0, 1).reshape(-1, *rest)
+    out = (out.view(t, stride, moved.shape[0] // stride, *rest)
+           .transpose(0, 1).reshape(-1, *rest))
     return out.movedim(0, dim).contiguous()
 
 
 def _mark_split(param: nn.Parameter, dim: int, stride: int = 1) -> None:
-    param.tensor_model_parallel, param.partition_dim, param.partition_stride = True, dim, stride
+    param.tensor_model_parallel, param.partition_dim, param.partition_stride = (
+        True, dim, stride)
 
 
 def mark_sequence_parallel(module: nn.Module) -> None:
-    """Flag `module`'s parameters as working on sequence shards: their gradients are partial sums."""
+    """Flag `module`'s parameters as working on sequence shards: their gradients
+    are partial sums."""
     for p in module.parameters():
         p.sequence_parallel = True
 # --8<-- [end:shard_of]
@@ -118,13 +129,18 @@ def _split_last_dim(x: torch.Tensor, group, what: str) -> torch.Tensor:
 
 # -- f and g, and the sequence-parallel pairs --------------------------------------------------------------------------
 # --8<-- [start:f_g]
-def _f_or_g(mapping: str, direction: str, x: torch.Tensor, group) -> torch.Tensor:
-    """One of the four passes of the conjugate pair: f or g, forward or backward (the module docstring's table)."""
-    # BEGIN EXERCISE 12.1: f and g -- which two of their four passes sum over the group, and how
+def _f_or_g(mapping: str, direction: str, x: torch.Tensor,
+            group) -> torch.Tensor:
+    """One of the four passes of the conjugate pair: f or g, forward or backward
+    (the module docstring's table)."""
+    # BEGIN EXERCISE 12.1: f and g: which two of four passes all-reduce, and how
     sums = (mapping, direction) in (("f", "backward"), ("g", "forward"))
     if not sums or comm.world_size(group) == 1:
-        return x  # f forward: x is whole on every rank already; g backward: dL/dz is every term's gradient
-    # f backward: each rank's weight slice gave a part of dL/dx; g forward: each rank's output is a partial sum.
+        # f forward: x is whole on every rank already; g backward: dL/dz is
+        # every term's gradient
+        return x
+    # f backward: each rank's weight slice gave a part of dL/dx; g forward:
+    # each rank's output is a partial sum.
     # Summed in a copy: the tensor autograd hands us is not ours to overwrite.
     out = x.clone(memory_format=torch.contiguous_format)
     comm.all_reduce(out, group=group, tag=f"{mapping} {direction}")
@@ -195,50 +211,62 @@ class _GatherFromModelParallelRegion(torch.autograd.Function):
 
 # --8<-- [start:sequence_parallel]
 class _ScatterToSequenceParallelRegion(torch.autograd.Function):
-    """Into the sequence-parallel region: keep this rank's s/t tokens; backward: all-gather their gradients."""
+    """Into the sequence-parallel region: keep this rank's s/t tokens; backward:
+    all-gather their gradients."""
 
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return x if comm.world_size(group) == 1 else _split_dim0(x, group, "scatter_to_sequence_parallel_region")
+        if comm.world_size(group) == 1:
+            return x
+        return _split_dim0(x, group, "scatter_to_sequence_parallel_region")
 
     @staticmethod
     def backward(ctx, grad_output):
         if comm.world_size(ctx.group) == 1:
             return grad_output, None
-        return _all_gather_dim0(grad_output, ctx.group, "scatter_to_sp backward"), None
+        return _all_gather_dim0(grad_output, ctx.group,
+                                "scatter_to_sp backward"), None
 
 
 class _GatherFromSequenceParallelRegion(torch.autograd.Function):
-    """f's place under sequence parallelism: all-gather the tokens; backward: each rank's column slice gave a
-    part of every token's gradient -- sum them, and keep this rank's tokens (a reduce-scatter)."""
+    """f's place under sequence parallelism: all-gather the tokens; backward:
+    each rank's column slice gave a part of every token's gradient -- sum them,
+    and keep this rank's tokens (a reduce-scatter)."""
 
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return x if comm.world_size(group) == 1 else _all_gather_dim0(x, group, "gather_from_sp forward")
+        if comm.world_size(group) == 1:
+            return x
+        return _all_gather_dim0(x, group, "gather_from_sp forward")
 
     @staticmethod
     def backward(ctx, grad_output):
         if comm.world_size(ctx.group) == 1:
             return grad_output, None
-        return _reduce_scatter_dim0(grad_output, ctx.group, "gather_from_sp backward"), None
+        return _reduce_scatter_dim0(grad_output, ctx.group,
+                                    "gather_from_sp backward"), None
 
 
 class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
-    """g's place under sequence parallelism: sum the row layer's partial outputs and keep this rank's tokens;
-    backward: every rank needs every token's gradient (all-gather)."""
+    """g's place under sequence parallelism: sum the row layer's partial outputs
+    and keep this rank's tokens; backward: every rank needs every token's
+    gradient (all-gather)."""
 
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return x if comm.world_size(group) == 1 else _reduce_scatter_dim0(x, group, "reduce_scatter_to_sp forward")
+        if comm.world_size(group) == 1:
+            return x
+        return _reduce_scatter_dim0(x, group, "reduce_scatter_to_sp forward")
 
     @staticmethod
     def backward(ctx, grad_output):
         if comm.world_size(ctx.group) == 1:
             return grad_output, None
-        return _all_gather_dim0(grad_output, ctx.group, "reduce_scatter_to_sp backward"), None
+        return _all_gather_dim0(grad_output, ctx.group,
+                                "reduce_scatter_to_sp backward"), None
 # --8<-- [end:sequence_parallel]
 
 

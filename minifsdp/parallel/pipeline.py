@@ -227,7 +227,8 @@ class PipelineStage:
 # -- the messages a rank receives, posted in its senders' order -------------------------------------------------------
 # --8<-- [start:mailbox]
 def _messages_sent(order: list[Action], num_stages: int):
-    """What a rank whose schedule is `order` sends, in order: (kind, receiving stage, micro-batch)."""
+    """What a rank whose schedule is `order` sends, in order:
+    (kind, receiving stage, micro-batch)."""
     for a in order:
         if a.kind == FORWARD and a.stage < num_stages - 1:
             yield ("activation", a.stage + 1, a.microbatch)
@@ -236,19 +237,24 @@ def _messages_sent(order: list[Action], num_stages: int):
 
 
 class _Mailbox:
-    """This rank's receives for one step. Gloo matches a pair's messages in posting order, so receives from a
-    sender are posted strictly in the order it sends. And one is always posted ahead, per sender: a message
-    whose receive is not posted yet waits at the sender until the receiver asks (a round trip more, every
-    message); posted ahead, it lands while this rank computes. Asking for a message the sender sends later
-    posts the ones before it first (their buffers then wait here)."""
+    """This rank's receives for one step. Gloo matches a pair's messages in
+    posting order, so receives from a sender are posted strictly in the order it
+    sends. And one is always posted ahead, per sender: a message whose receive
+    is not posted yet waits at the sender until the receiver asks (a round trip
+    more, every message); posted ahead, it lands while this rank computes.
+    Asking for a message the sender sends later posts the ones before it first
+    (their buffers then wait here)."""
 
     def __init__(self, schedule: "PipelineSchedule"):
         self.schedule = schedule
         p, me = schedule.num_ranks, schedule.rank
-        self.expected = {}  # sender -> deque of the messages it sends to this rank, in its order, not yet posted
+        # sender -> deque of the messages it sends to this rank, in its order,
+        # not yet posted
+        self.expected = {}
         for src in range(p):
             if src != me:
-                self.expected[src] = deque(msg for msg in _messages_sent(schedule.order(src), schedule.num_stages)
+                sent = _messages_sent(schedule.order(src), schedule.num_stages)
+                self.expected[src] = deque(msg for msg in sent
                                            if msg[1] % p == me)
         self.posted: dict[tuple, tuple] = {}  # message -> (buffer, handle)
         for src in self.expected:
@@ -258,13 +264,18 @@ class _Mailbox:
         if not self.expected[src]:
             return
         message = self.expected[src].popleft()
-        buffer = torch.empty(self.schedule.activation_shape, dtype=self.schedule.dtype, device=self.schedule.device)
+        buffer = torch.empty(self.schedule.activation_shape,
+                             dtype=self.schedule.dtype,
+                             device=self.schedule.device)
         tag = f"{message[0]} {message[2]} to s{message[1]}"
-        self.posted[message] = (buffer, comm.recv(buffer, src, async_op=True, tag=tag, group=self.schedule.group))
+        handle = comm.recv(buffer, src, async_op=True, tag=tag,
+                           group=self.schedule.group)
+        self.posted[message] = (buffer, handle)
 
     def take(self, message: tuple) -> torch.Tensor:
         kind, stage, _ = message
-        src = (stage - 1 if kind == "activation" else stage + 1) % self.schedule.num_ranks
+        src = ((stage - 1 if kind == "activation" else stage + 1)
+               % self.schedule.num_ranks)
         while message not in self.posted:
             self._post_next(src)
         buffer, handle = self.posted.pop(message)
@@ -310,35 +321,43 @@ class PipelineSchedule:
 
     # --8<-- [start:step]
     def step(self, *args, target=None, losses: list | None = None):
-        """One pipelined forward and backward of a batch: `args` (the batch's inputs, on the rank of the first
-        stage) and `target` (on the rank of the last) are cut into n_microbatches along dim 0. Gradients
-        accumulate in the stages' parameters; the tied embedding's are summed. On the last stage, each
-        micro-batch's loss is appended to `losses` and their mean returned; elsewhere, None."""
+        """One pipelined forward and backward of a batch: `args` (the batch's
+        inputs, on the rank of the first stage) and `target` (on the rank of the
+        last) are cut into n_microbatches along dim 0. Gradients accumulate in the
+        stages' parameters; the tied embedding's are summed. On the last stage, each
+        micro-batch's loss is appended to `losses` and their mean returned;
+        elsewhere, None."""
         m = self.n_microbatches
-        self._inputs = _split(args[0] if args else None, m, "input") if self._stage.get(0) else None
-        self._targets = _split(target, m, "target") if self._stage.get(self.num_stages - 1) else None
-        self._mailbox, self._handed_over, self._sends, self._losses = _Mailbox(self), {}, {}, []
+        self._inputs = (_split(args[0] if args else None, m, "input")
+                        if self._stage.get(0) else None)
+        self._targets = (_split(target, m, "target")
+                         if self._stage.get(self.num_stages - 1) else None)
+        self._mailbox, self._handed_over, self._sends, self._losses = (
+            _Mailbox(self), {}, {}, [])
         for action in self.order(self.rank):
             if action.kind == FORWARD:
                 self._forward(action)
             else:
                 self._backward(action)
-        for handle in self._sends.values():  # the gradients' sends (their receivers may still be computing)
+        # the gradients' sends (their receivers may still be computing)
+        for handle in self._sends.values():
             handle.wait()
         self._sum_tied_embedding_grads()
-        step_losses, self._inputs, self._targets, self._mailbox, self._sends, self._losses = \
-            self._losses, None, None, None, {}, []
+        (step_losses, self._inputs, self._targets, self._mailbox, self._sends,
+         self._losses) = self._losses, None, None, None, {}, []
         if losses is not None:
             losses.extend(step_losses)
         return torch.stack(step_losses).mean() if step_losses else None
 
-    # -- the pieces of a step ----------------------------------------------------------------------------------------
+    # -- the pieces of a step ---------------------------------------------------
     def _forward(self, action: Action) -> None:
         stage, i = self._stage[action.stage], action.microbatch
-        x = self._inputs[i] if stage.is_first else self._receive(("activation", stage.stage_index, i))
+        x = (self._inputs[i] if stage.is_first
+             else self._receive(("activation", stage.stage_index, i)))
         with self._computing(action):
-            out = stage.forward_one_chunk(i, x, self._targets[i] if stage.is_last else None, self.loss_fn,
-                                          scale=1.0 / self.n_microbatches)
+            out = stage.forward_one_chunk(
+                i, x, self._targets[i] if stage.is_last else None, self.loss_fn,
+                scale=1.0 / self.n_microbatches)
         if stage.is_last:
             self._losses.append(out)
         else:
@@ -346,11 +365,15 @@ class PipelineSchedule:
 
     def _backward(self, action: Action) -> None:
         stage, i = self._stage[action.stage], action.microbatch
-        grad = None if stage.is_last else self._receive(("gradient", stage.stage_index, i))
+        grad = (None if stage.is_last
+                else self._receive(("gradient", stage.stage_index, i)))
         with self._computing(action):
             grad_input = stage.backward_one_chunk(i, grad)
-        if not stage.is_last:  # the next stage used our activation (here is its gradient): let the buffer go
-            handle = self._sends.pop(("activation", stage.stage_index + 1, i), None)
+        # the next stage used our activation (here is its gradient): let the
+        # buffer go
+        if not stage.is_last:
+            handle = self._sends.pop(("activation", stage.stage_index + 1, i),
+                                     None)
             if handle is not None:
                 handle.wait()
         if not stage.is_first:
@@ -388,16 +411,20 @@ class PipelineSchedule:
 
     # --8<-- [start:tied]
     def _sum_tied_embedding_grads(self) -> None:
-        """The first and last stage's copies of the tied embedding: each adds the other's gradient."""
+        """The first and last stage's copies of the tied embedding: each adds the
+        other's gradient."""
         for stage in self.stages:
             weight = stage.tied_embedding
             if weight is None:
                 continue
             peer = 0 if stage.is_last else (self.num_stages - 1) % self.num_ranks
-            mine = weight.grad if weight.grad is not None else torch.zeros_like(weight)
+            mine = (weight.grad if weight.grad is not None
+                    else torch.zeros_like(weight))
             theirs = torch.empty_like(mine)
-            received = comm.recv(theirs, peer, async_op=True, tag="tied embedding", group=self.group)
-            sent = comm.send(mine, peer, async_op=True, tag="tied embedding", group=self.group)
+            received = comm.recv(theirs, peer, async_op=True,
+                                 tag="tied embedding", group=self.group)
+            sent = comm.send(mine, peer, async_op=True, tag="tied embedding",
+                             group=self.group)
             received.wait()
             sent.wait()  # before adding in place: `mine` is what is on the wire
             weight.grad = mine.add_(theirs)
@@ -460,11 +487,12 @@ def gpipe_order(rank: int, p: int, m: int) -> list[Action]:
 
 # --8<-- [start:one_f_one_b]
 def one_f_one_b_order(rank: int, p: int, m: int) -> list[Action]:
-    """1F1B on stage `rank` of p. Micro-batch 0's backward can start on this stage once it has gone forward
-    through the p - rank - 1 stages after it and back: that is how many forwards there is time for first
-    (warm-up). Then each backward that frees a micro-batch is paired with a forward that admits the next
-    (steady state), and the backwards left drain (cool-down)."""
-    # BEGIN EXERCISE 12.2: the 1F1B order: warm-up forwards, then one forward one backward, then cool-down backwards
+    """1F1B on stage `rank` of p. Micro-batch 0's backward can start on this
+    stage once it has gone forward through the p - rank - 1 stages after it and
+    back: that is how many forwards there is time for first (warm-up). Then each
+    backward that frees a micro-batch is paired with a forward that admits the
+    next (steady state), and the backwards left drain (cool-down)."""
+    # BEGIN EXERCISE 12.2: 1F1B order: warm-up, forward/backward pairs, drain
     warmup = min(p - rank - 1, m)
     order = [Action(FORWARD, rank, i) for i in range(warmup)]
     for i in range(m - warmup):
@@ -478,13 +506,17 @@ def one_f_one_b_order(rank: int, p: int, m: int) -> list[Action]:
 
 # --8<-- [start:interleaved]
 def interleaved_order(rank: int, p: int, v: int, m: int) -> list[Action]:
-    """Megatron's interleaved 1F1B on rank `rank` of p, holding stages rank, rank + p, ..., rank + (v-1)p.
+    """Megatron's interleaved 1F1B on rank `rank` of p, holding stages
+    rank, rank + p, ..., rank + (v-1)p.
 
-    The rank's k-th forward is micro-batch (k // pv) * p + k % p of its stage number (k % pv) // p (a group of p
-    micro-batches through its first stage, the same group through its second, ...), and the k-th backward the
-    same micro-batch through its stages in reverse. Warm-up: before the first backward (micro-batch 0 through
-    the rank's last stage) can start, micro-batch 0 must go through all its earlier stages -- (v - 1)p forwards
-    here -- and then forward through the p - rank - 1 ranks after this one and back, 2(p - rank - 1) slots more."""
+    The rank's k-th forward is micro-batch (k // pv) * p + k % p of its stage
+    number (k % pv) // p (a group of p micro-batches through its first stage,
+    the same group through its second, ...), and the k-th backward the same
+    micro-batch through its stages in reverse. Warm-up: before the first
+    backward (micro-batch 0 through the rank's last stage) can start,
+    micro-batch 0 must go through all its earlier stages -- (v - 1)p forwards
+    here -- and then forward through the p - rank - 1 ranks after this one and
+    back, 2(p - rank - 1) slots more."""
     total = m * v
 
     def action(kind: str, k: int) -> Action:
@@ -493,7 +525,7 @@ def interleaved_order(rank: int, p: int, v: int, m: int) -> list[Action]:
             chunk = v - 1 - chunk
         return Action(kind, chunk * p + rank, (k // (p * v)) * p + k % p)
 
-    # BEGIN EXERCISE 12.4: the interleaved order: warm-up, then 1F1B over (stage, micro-batch), then cool-down
+    # BEGIN EXERCISE 12.4: interleaved order: warm-up, then 1F1B, then cool-down
     warmup = min(2 * (p - rank - 1) + (v - 1) * p, total)
     order = [action(FORWARD, k) for k in range(warmup)]
     for k in range(total - warmup):

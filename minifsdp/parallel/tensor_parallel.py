@@ -55,18 +55,22 @@ from minifsdp.parallel.mappings import (_all_gather_dim0, _mark_split, copy_to_t
 # -- the column-parallel matmul, its input gradient reduced while the weight gradient is computed ----------------------
 # --8<-- [start:async]
 class _LinearWithAsyncGradAllreduce(torch.autograd.Function):
-    """y = x W^T + b for a column-parallel layer; f (or, under sequence parallelism, the all-gather) built in.
+    """y = x W^T + b for a column-parallel layer; f (or, under sequence
+    parallelism, the all-gather) built in.
 
-    Backward has two matmuls: dL/dx = dL/dy W, which must then be summed over the group, and dL/dW = dL/dy^T x,
-    which needs no communication. Computing dL/dx first and starting its all-reduce asynchronously hides the
-    collective behind the dL/dW matmul (Megatron-LM's async tensor-parallel all-reduce). Under sequence
-    parallelism forward keeps only this rank's tokens of x for backward (1/t of the memory: that is the point of
-    sequence parallelism) and all-gathers them again in backward, overlapped with dL/dx; dL/dx is then
+    Backward has two matmuls: dL/dx = dL/dy W, which must then be summed over
+    the group, and dL/dW = dL/dy^T x, which needs no communication. Computing
+    dL/dx first and starting its all-reduce asynchronously hides the collective
+    behind the dL/dW matmul (Megatron-LM's async tensor-parallel all-reduce).
+    Under sequence parallelism forward keeps only this rank's tokens of x for
+    backward (1/t of the memory: that is the point of sequence parallelism) and
+    all-gathers them again in backward, overlapped with dL/dx; dL/dx is then
     reduce-scattered, overlapped with dL/dW."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, group, sequence_parallel, name):
-        ctx.group, ctx.sequence_parallel, ctx.name, ctx.has_bias = group, sequence_parallel, name, bias is not None
+        ctx.group, ctx.sequence_parallel = group, sequence_parallel
+        ctx.name, ctx.has_bias = name, bias is not None
         ctx.save_for_backward(x, weight)
         if sequence_parallel and comm.world_size(group) > 1:
             x = _all_gather_dim0(x, group, f"forward {name} gather input")
@@ -79,23 +83,30 @@ class _LinearWithAsyncGradAllreduce(torch.autograd.Function):
         t = comm.world_size(group)
         gather = None
         if ctx.sequence_parallel and t > 1:
-            x_shard, x = x.contiguous(), x.new_empty((t * x.shape[0],) + tuple(x.shape[1:]))
-            gather = comm.all_gather(x, x_shard, async_op=True, group=group, tag=f"backward {name} gather input")
-        # the same matmuls, in the same orientation, as autograd's for F.linear: the same bits as the plain path
+            x_shard = x.contiguous()
+            x = x.new_empty((t * x.shape[0],) + tuple(x.shape[1:]))
+            gather = comm.all_gather(x, x_shard, async_op=True, group=group,
+                                     tag=f"backward {name} gather input")
+        # the same matmuls, in the same orientation, as autograd's for
+        # F.linear: the same bits as the plain path
         grad_input = grad_output.matmul(weight)
         reduction = None
         if t > 1:
             if ctx.sequence_parallel:
                 gather.wait()  # (dL/dW below needs the whole x)
-                full, grad_input = grad_input, grad_input.new_empty((grad_input.shape[0] // t,) + grad_input.shape[1:])
-                reduction = comm.reduce_scatter(grad_input, full.contiguous(), async_op=True, group=group,
-                                                tag=f"backward {name} input gradient")
+                full, grad_input = grad_input, grad_input.new_empty(
+                    (grad_input.shape[0] // t,) + grad_input.shape[1:])
+                reduction = comm.reduce_scatter(
+                    grad_input, full.contiguous(), async_op=True, group=group,
+                    tag=f"backward {name} input gradient")
             else:
-                reduction = comm.all_reduce(grad_input, async_op=True, group=group,
-                                            tag=f"backward {name} input gradient")
+                reduction = comm.all_reduce(
+                    grad_input, async_op=True, group=group,
+                    tag=f"backward {name} input gradient")
         # ... and while it travels:
         events.emit(events.COMPUTE_BEGIN, f"backward {name} weight gradient")
-        grad_2d, x_2d = grad_output.reshape(-1, grad_output.shape[-1]), x.reshape(-1, x.shape[-1])
+        grad_2d = grad_output.reshape(-1, grad_output.shape[-1])
+        x_2d = x.reshape(-1, x.shape[-1])
         grad_weight = grad_2d.t().mm(x_2d)
         grad_bias = grad_2d.sum(0) if ctx.has_bias else None
         events.emit(events.COMPUTE_END, f"backward {name} weight gradient")
@@ -193,27 +204,37 @@ class ColumnParallelLinear(nn.Module):
 
 # --8<-- [start:row]
 class RowParallelLinear(nn.Module):
-    """Z = Y B^T + b with B split by input features (columns): rank r holds columns [r in/t, (r+1) in/t) of B,
-    multiplies its slice of Y's features, and the partial products are summed over the group (g: an all-reduce;
-    under sequence parallelism a reduce-scatter that leaves each rank its s/t tokens). The bias is whole on every
-    rank and added once, after the sum.
+    """Z = Y B^T + b with B split by input features (columns): rank r holds
+    columns [r in/t, (r+1) in/t) of B, multiplies its slice of Y's features, and
+    the partial products are summed over the group (g: an all-reduce; under
+    sequence parallelism a reduce-scatter that leaves each rank its s/t tokens).
+    The bias is whole on every rank and added once, after the sum.
 
-    input_is_parallel: Y arrives already split (a column layer's output); if not, each rank takes its slice.
-    Under sequence parallelism the bias works on token shards, so it is marked `sequence_parallel` (its gradient
-    is partial: see allreduce_sequence_parallel_grads)."""
+    input_is_parallel: Y arrives already split (a column layer's output); if
+    not, each rank takes its slice. Under sequence parallelism the bias works on
+    token shards, so it is marked `sequence_parallel` (its gradient is partial:
+    see allreduce_sequence_parallel_grads)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, input_is_parallel: bool = True, *,
-                 group=None, sequence_parallel: bool = False, init_method=None, name: str | None = None):
+    def __init__(self, in_features: int, out_features: int, bias: bool = True,
+                 input_is_parallel: bool = True, *, group=None,
+                 sequence_parallel: bool = False, init_method=None,
+                 name: str | None = None):
         super().__init__()
         t = comm.world_size(group)
-        label = f"RowParallelLinear({in_features}, {out_features})" + (f" {name}" if name else "")
+        label = (f"RowParallelLinear({in_features}, {out_features})"
+                 + (f" {name}" if name else ""))
         divide(in_features, t, f"{label}: in_features")
         if sequence_parallel and not input_is_parallel:
-            raise ValueError(f"{label}: sequence_parallel=True needs input_is_parallel=True (the "
-                             f"input of a sequence-parallel row layer is a column layer's output)")
-        self.in_features, self.out_features, self.input_is_parallel = in_features, out_features, input_is_parallel
-        self.group, self.sequence_parallel, self.name = group, sequence_parallel, name or "RowParallelLinear"
-        full = _full_init((out_features, in_features), init_method or _linear_init)
+            raise ValueError(
+                f"{label}: sequence_parallel=True needs input_is_parallel=True "
+                f"(the input of a sequence-parallel row layer is a column "
+                f"layer's output)")
+        self.in_features, self.out_features = in_features, out_features
+        self.input_is_parallel = input_is_parallel
+        self.group, self.sequence_parallel = group, sequence_parallel
+        self.name = name or "RowParallelLinear"
+        full = _full_init((out_features, in_features),
+                          init_method or _linear_init)
         self.weight = nn.Parameter(shard_of(full, 1, comm.rank(group), t))
         _mark_split(self.weight, 1)
         if bias:
@@ -223,9 +244,11 @@ class RowParallelLinear(nn.Module):
             self.register_parameter("bias", None)
 
     @classmethod
-    def from_full(cls, linear: nn.Linear, *, group=None, **kwargs) -> RowParallelLinear:
+    def from_full(cls, linear: nn.Linear, *, group=None,
+                  **kwargs) -> RowParallelLinear:
         """This rank's columns of `linear`'s weight, and its whole bias."""
-        layer = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, group=group,
+        layer = cls(linear.in_features, linear.out_features,
+                    bias=linear.bias is not None, group=group,
                     init_method=lambda w: w.copy_(linear.weight), **kwargs)
         if linear.bias is not None:
             with torch.no_grad():
@@ -243,77 +266,100 @@ class RowParallelLinear(nn.Module):
         return z if self.bias is None else z + self.bias
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features} (this rank: {self.weight.shape[1]}), out_features={self.out_features}"
-                f", bias={self.bias is not None}, sequence_parallel={self.sequence_parallel}")
+        return (f"in_features={self.in_features} "
+                f"(this rank: {self.weight.shape[1]}), "
+                f"out_features={self.out_features}, "
+                f"bias={self.bias is not None}, "
+                f"sequence_parallel={self.sequence_parallel}")
 # --8<-- [end:row]
 
 
 # --8<-- [start:vocab_embedding]
 class VocabParallelEmbedding(nn.Module):
-    """An embedding whose rows are split by vocabulary range: rank r holds the vectors of tokens
-    [r V/t, (r+1) V/t). Each rank looks up the tokens it holds, writes zeros for the others, and g (an all-reduce)
-    adds the t results: every token's vector comes from exactly one rank. init_method: as ColumnParallelLinear's
-    (default nn.Embedding's, N(0, 1)); `from_full(embedding)` starts from an nn.Embedding's weight."""
+    """An embedding whose rows are split by vocabulary range: rank r holds the
+    vectors of tokens [r V/t, (r+1) V/t). Each rank looks up the tokens it
+    holds, writes zeros for the others, and g (an all-reduce) adds the t
+    results: every token's vector comes from exactly one rank. init_method: as
+    ColumnParallelLinear's (default nn.Embedding's, N(0, 1));
+    `from_full(embedding)` starts from an nn.Embedding's weight."""
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, *, group=None, init_method=None):
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, group=None,
+                 init_method=None):
         super().__init__()
         t = comm.world_size(group)
-        per_rank = divide(num_embeddings, t, f"VocabParallelEmbedding({num_embeddings}, {embedding_dim}): "
-                                             f"num_embeddings (the vocabulary)")
-        self.num_embeddings, self.embedding_dim, self.group = num_embeddings, embedding_dim, group
+        per_rank = divide(num_embeddings, t,
+                          f"VocabParallelEmbedding({num_embeddings}, "
+                          f"{embedding_dim}): num_embeddings (the vocabulary)")
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.group = group
         self.vocab_start_index = comm.rank(group) * per_rank
         self.vocab_end_index = self.vocab_start_index + per_rank
-        full = _full_init((num_embeddings, embedding_dim), init_method or nn.init.normal_)
+        full = _full_init((num_embeddings, embedding_dim),
+                          init_method or nn.init.normal_)
         self.weight = nn.Parameter(shard_of(full, 0, comm.rank(group), t))
         _mark_split(self.weight, 0)
 
     @classmethod
-    def from_full(cls, embedding: nn.Embedding, *, group=None) -> VocabParallelEmbedding:
-        return cls(embedding.num_embeddings, embedding.embedding_dim, group=group,
-                   init_method=lambda w: w.copy_(embedding.weight))
+    def from_full(cls, embedding: nn.Embedding, *,
+                  group=None) -> VocabParallelEmbedding:
+        return cls(embedding.num_embeddings, embedding.embedding_dim,
+                   group=group, init_method=lambda w: w.copy_(embedding.weight))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        elsewhere = (input_ids < self.vocab_start_index) | (input_ids >= self.vocab_end_index)
-        local_ids = (input_ids - self.vocab_start_index).masked_fill(elsewhere, 0)  # any row: zeroed just below
-        out = F.embedding(local_ids, self.weight).masked_fill(elsewhere.unsqueeze(-1), 0.0)
+        elsewhere = ((input_ids < self.vocab_start_index)
+                     | (input_ids >= self.vocab_end_index))
+        # any row: zeroed just below
+        local_ids = (input_ids - self.vocab_start_index).masked_fill(
+            elsewhere, 0)
+        out = F.embedding(local_ids, self.weight).masked_fill(
+            elsewhere.unsqueeze(-1), 0.0)
         return reduce_from_tensor_model_parallel_region(out, self.group)
 
     def extra_repr(self) -> str:
-        return (f"{self.num_embeddings}, {self.embedding_dim}, this rank: rows [{self.vocab_start_index}, "
-                f"{self.vocab_end_index})")
+        return (f"{self.num_embeddings}, {self.embedding_dim}, this rank: "
+                f"rows [{self.vocab_start_index}, {self.vocab_end_index})")
 # --8<-- [end:vocab_embedding]
 
 
 # --8<-- [start:cross_entropy]
 class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """loss = log sum_v exp(z_v) - z_target, for logits z split by vocabulary across the group.
+    """loss = log sum_v exp(z_v) - z_target, for logits z split by vocabulary
+    across the group.
 
-    Each rank holds V/t logits of every token; three all-reduces of one number per token replace an all-gather of
-    V/t per token: the max (so that the exponentials cannot overflow), the target's logit (one rank holds it, the
-    others add zero), and the sum of the exponentials. Backward needs no communication: dL/dz = softmax(z) -
-    onehot(target), and each rank computes it for its own V/t columns from what forward kept."""
+    Each rank holds V/t logits of every token; three all-reduces of one number
+    per token replace an all-gather of V/t per token: the max (so that the
+    exponentials cannot overflow), the target's logit (one rank holds it, the
+    others add zero), and the sum of the exponentials. Backward needs no
+    communication: dL/dz = softmax(z) - onehot(target), and each rank computes
+    it for its own V/t columns from what forward kept."""
 
     @staticmethod
     def forward(ctx, logits, target, group):
         t = comm.world_size(group)
-        # BEGIN EXERCISE 12.3: the loss from vocab-parallel logits: three all-reduces of one number per token
+        # BEGIN EXERCISE 12.3: vocab-parallel loss: three all-reduces per token
         logits_max = logits.max(dim=-1).values
         if t > 1:
-            comm.all_reduce(logits_max, op=comm.ReduceOp.MAX, group=group, tag="cross entropy max")
+            comm.all_reduce(logits_max, op=comm.ReduceOp.MAX, group=group,
+                            tag="cross entropy max")
         shifted = logits - logits_max.unsqueeze(-1)
         per_rank = logits.shape[-1]
         start = comm.rank(group) * per_rank
         elsewhere = (target < start) | (target >= start + per_rank)
         local_target = (target - start).masked_fill(elsewhere, 0)
-        target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(elsewhere, 0.0)
+        target_logit = (shifted.gather(-1, local_target.unsqueeze(-1))
+                        .squeeze(-1).masked_fill(elsewhere, 0.0))
         exp = shifted.exp()
         sum_exp = exp.sum(dim=-1)
         if t > 1:
-            comm.all_reduce(target_logit, group=group, tag="cross entropy target logit")
-            comm.all_reduce(sum_exp, group=group, tag="cross entropy sum of exp")
+            comm.all_reduce(target_logit, group=group,
+                            tag="cross entropy target logit")
+            comm.all_reduce(sum_exp, group=group,
+                            tag="cross entropy sum of exp")
         loss = sum_exp.log() - target_logit
         # END EXERCISE
-        ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), elsewhere, local_target)  # exp becomes the softmax
+        # exp becomes the softmax
+        ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), elsewhere,
+                              local_target)
         return loss
 
     @staticmethod
@@ -321,26 +367,36 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         softmax, elsewhere, local_target = ctx.saved_tensors
         grad = softmax.clone()
         # minus one at the target's column, on the one rank that holds it
-        grad.scatter_add_(-1, local_target.unsqueeze(-1), -(~elsewhere).to(grad.dtype).unsqueeze(-1))
+        grad.scatter_add_(-1, local_target.unsqueeze(-1),
+                          -(~elsewhere).to(grad.dtype).unsqueeze(-1))
         return grad * grad_loss.unsqueeze(-1), None, None
 
 
-def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: torch.Tensor, group=None) -> torch.Tensor:
-    """The cross-entropy of each token (shape of `target`, as Megatron's: take the mean yourself) from this rank's
-    [..., V/t] slice of the logits, rank r holding vocabulary entries [r V/t, (r+1) V/t)."""
-    return _VocabParallelCrossEntropy.apply(vocab_parallel_logits, target, group)
+def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor,
+                                 target: torch.Tensor,
+                                 group=None) -> torch.Tensor:
+    """The cross-entropy of each token (shape of `target`, as Megatron's: take
+    the mean yourself) from this rank's [..., V/t] slice of the logits, rank r
+    holding vocabulary entries [r V/t, (r+1) V/t)."""
+    return _VocabParallelCrossEntropy.apply(vocab_parallel_logits, target,
+                                            group)
 # --8<-- [end:cross_entropy]
 
 
 # --8<-- [start:sp_grads]
 def allreduce_sequence_parallel_grads(module: nn.Module, group=None) -> None:
-    """Sum, over the group, the gradients of `module`'s parameters marked `sequence_parallel` (LayerNorms and
-    row-layer biases under sequence parallelism): each rank saw only its s/t tokens, so each holds a partial sum.
+    """Sum, over the group, the gradients of `module`'s parameters marked
+    `sequence_parallel` (LayerNorms and row-layer biases under sequence
+    parallelism): each rank saw only its s/t tokens, so each holds a partial
+    sum.
 
-    A training loop calls it after backward and before the optimizer steps, where it also reduces data-parallel
-    gradients (Megatron's finalize_model_grads). Not a hook: hooks would send one small all-reduce per parameter
-    per backward (per micro-batch under gradient accumulation); here all of them go in one flat all-reduce."""
-    grads = [p.grad for p in module.parameters() if getattr(p, "sequence_parallel", False) and p.grad is not None]
+    A training loop calls it after backward and before the optimizer steps,
+    where it also reduces data-parallel gradients (Megatron's
+    finalize_model_grads). Not a hook: hooks would send one small all-reduce per
+    parameter per backward (per micro-batch under gradient accumulation); here
+    all of them go in one flat all-reduce."""
+    grads = [p.grad for p in module.parameters()
+             if getattr(p, "sequence_parallel", False) and p.grad is not None]
     if not grads or comm.world_size(group) == 1:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])

@@ -101,52 +101,71 @@ class ParallelBlock(nn.Module):
 
 # --8<-- [start:model]
 class TensorParallelGPT(nn.Module):
-    """TinyGPT over the tensor-parallel `group`, starting from `gpt`'s weights (every rank passes the same TinyGPT).
+    """TinyGPT over the tensor-parallel `group`, starting from `gpt`'s weights
+    (every rank passes the same TinyGPT).
 
-    forward(idx, targets) takes the whole [b, s] batch on every rank and returns the mean loss; without targets,
-    the vocab-parallel logits [s, b, V/t] (gather_logits turns them into TinyGPT's [b, s, V]).
-    full_state_dict() / full_grads(): the parameters / gradients put back together under TinyGPT's names."""
+    forward(idx, targets) takes the whole [b, s] batch on every rank and returns
+    the mean loss; without targets, the vocab-parallel logits [s, b, V/t]
+    (gather_logits turns them into TinyGPT's [b, s, V]).
+    full_state_dict() / full_grads(): the parameters / gradients put back
+    together under TinyGPT's names."""
 
-    def __init__(self, gpt: TinyGPT, *, group=None, sequence_parallel: bool = False, async_grad_allreduce: bool = True):
+    def __init__(self, gpt: TinyGPT, *, group=None,
+                 sequence_parallel: bool = False,
+                 async_grad_allreduce: bool = True):
         super().__init__()
-        self.config, self.group, self.sequence_parallel = gpt.config, group, sequence_parallel
+        self.config, self.group = gpt.config, group
+        self.sequence_parallel = sequence_parallel
         self.async_grad_allreduce = async_grad_allreduce
-        options = dict(group=group, sequence_parallel=sequence_parallel, async_grad_allreduce=async_grad_allreduce)
+        options = dict(group=group, sequence_parallel=sequence_parallel,
+                       async_grad_allreduce=async_grad_allreduce)
         self.wte = VocabParallelEmbedding.from_full(gpt.wte, group=group)
         self.wpe = copy.deepcopy(gpt.wpe)
-        self.blocks = nn.ModuleList(ParallelBlock(block, name=f"blocks.{i}", **options)
-                                    for i, block in enumerate(gpt.blocks))
+        self.blocks = nn.ModuleList(
+            ParallelBlock(block, name=f"blocks.{i}", **options)
+            for i, block in enumerate(gpt.blocks))
         self.ln_f = copy.deepcopy(gpt.ln_f)
         if sequence_parallel:
             mark_sequence_parallel(self.ln_f)
         self.tied = gpt.lm_head.weight is gpt.wte.weight
         if not self.tied:
-            self.lm_head = ColumnParallelLinear.from_full(gpt.lm_head, name="lm_head", **options)
+            self.lm_head = ColumnParallelLinear.from_full(
+                gpt.lm_head, name="lm_head", **options)
 
     @classmethod
-    def from_gpt(cls, gpt: TinyGPT, *, group=None, sequence_parallel: bool = False,
+    def from_gpt(cls, gpt: TinyGPT, *, group=None,
+                 sequence_parallel: bool = False,
                  async_grad_allreduce: bool = True) -> TensorParallelGPT:
-        return cls(gpt, group=group, sequence_parallel=sequence_parallel, async_grad_allreduce=async_grad_allreduce)
+        return cls(gpt, group=group, sequence_parallel=sequence_parallel,
+                   async_grad_allreduce=async_grad_allreduce)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor,
+                targets: torch.Tensor | None = None) -> torch.Tensor:
         s = idx.shape[1]
-        x = self.wte(idx.t()) + self.wpe(torch.arange(s, device=idx.device)).unsqueeze(1)  # [s, b, h]
+        # [s, b, h]
+        x = (self.wte(idx.t())
+             + self.wpe(torch.arange(s, device=idx.device)).unsqueeze(1))
         if self.sequence_parallel:
-            x = scatter_to_sequence_parallel_region(x, self.group)  # [s/t, b, h] from here on
+            # [s/t, b, h] from here on
+            x = scatter_to_sequence_parallel_region(x, self.group)
         for block in self.blocks:
             x = block(x)
         logits = self.lm_logits(self.ln_f(x))  # [s, b, V/t]
         if targets is None:
             return logits
-        return vocab_parallel_cross_entropy(logits, targets.t(), self.group).mean()
+        loss = vocab_parallel_cross_entropy(logits, targets.t(), self.group)
+        return loss.mean()
 
     def lm_logits(self, x: torch.Tensor) -> torch.Tensor:
-        """Megatron's parallel_lm_logits: the output layer shares the embedding's vocabulary shard, a column-
-        parallel matmul (f, or the sequence all-gather, on its input), so its logits are vocab-parallel."""
+        """Megatron's parallel_lm_logits: the output layer shares the
+        embedding's vocabulary shard, a column-parallel matmul (f, or the
+        sequence all-gather, on its input), so its logits are vocab-parallel."""
         if not self.tied:
             return self.lm_head(x)
-        return column_parallel_linear(x, self.wte.weight, group=self.group, sequence_parallel=self.sequence_parallel,
-                                      async_grad_allreduce=self.async_grad_allreduce, name="lm_head")
+        return column_parallel_linear(
+            x, self.wte.weight, group=self.group,
+            sequence_parallel=self.sequence_parallel,
+            async_grad_allreduce=self.async_grad_allreduce, name="lm_head")
 # --8<-- [end:model]
 
     def allreduce_sequence_parallel_grads(self) -> None:
