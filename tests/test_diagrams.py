@@ -4,7 +4,7 @@
   The script runs with `python -I -S`, so it needs nothing but the standard library.
 - Each is well-formed XML, 680 wide with a matching viewBox, and accessible: role="img", a <title> and a
   <desc> that aria-labelledby names.
-- Each is legible at 100% and in both of material's colour schemes: no text under 13, none outside the
+- Each is legible at 100% and in both of material's colour schemes: no text under MIN_FONT (10 pt on the screen), none outside the
   picture (measured as the script measures it, in the widest likely font), only the script's palette, dark
   text only on filled boxes, and the palette's contrasts hold against white and against slate.
 - What a diagram shows of the code (OSS's partition, the FlatParameter's layout, a flat shard's boxes, the
@@ -103,7 +103,7 @@ def test_text_is_large_enough_inside_the_picture_and_readable_where_it_sits(name
     assert texts
     for t in texts:
         size = float(t.get("font-size"))
-        assert size >= 13, f"{name}: {t.text!r} at {size}"
+        assert size >= md.MIN_FONT >= 40 / 3, f"{name}: {t.text!r} at {size}"
         width = md.text_width(t.text, size, mono=t.get("font-family") is not None, bold=t.get("font-weight") == "bold")
         x, y = float(t.get("x")), float(t.get("y"))
         left = x - {"start": 0, "middle": width / 2, "end": width}[t.get("text-anchor", "start")]

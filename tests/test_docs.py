@@ -6,6 +6,7 @@ renamed section marker fails it. The checks below only make the failure messages
 
 import html as html_module
 import re
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -74,3 +75,46 @@ def test_every_generated_table_and_figure_names_its_command(page):
         assert path in figures_recipe, f"{page.name} shows {path}, which `make figures` does not make"
         outside_includes = INCLUDE.sub("", text)
         assert path in outside_includes, f"{page.name} shows {path} without naming the command that made it"
+
+
+# The widest listing line the content column shows without scrolling at 1280 px: 688 px of column, less the
+# code block's padding, at 13.6 px monospace (0.6 em a character). tests/test_site_browser.py checks the same
+# on the rendered pages (where a listing inside a list or an admonition is narrower still); this check says
+# which lines, before any build.
+LISTING_COLUMNS = 80
+FENCE = re.compile(r"^(\s*)(```+|~~~+)")  # a fence's opening or closing line
+
+
+def listing_lines(page: Path) -> list[tuple[str, str]]:
+    """(where, line) for every line a page's listings show: each fenced block's own lines, and the source each
+    include brings in, a named section dedented as pymdownx.snippets (dedent_subsections) shows it."""
+    out, fence = [], None  # fence: the open block's indent and marker
+    for line in page.read_text(encoding="utf-8").splitlines():
+        mark = FENCE.match(line)
+        if fence is None:
+            fence = mark.groups() if mark else None
+            continue
+        if mark and mark.groups() == fence and not line[mark.end():].strip():
+            fence = None
+            continue
+        target = INCLUDE.fullmatch(line)
+        if not target:
+            out.append((page.name, line[len(fence[0]):]))
+            continue
+        path, _, section = target.group(1).partition(":")
+        if path.startswith("chapters/generated/"):
+            continue  # a command's output, printed as it printed it
+        text = (REPO / path).read_text(encoding="utf-8").splitlines()
+        if section:
+            start = next(i for i, s in enumerate(text) if f"--8<-- [start:{section}]" in s)
+            end = next(i for i, s in enumerate(text) if f"--8<-- [end:{section}]" in s)
+            text = textwrap.dedent("\n".join(text[start + 1:end])).splitlines()
+        out += [(f"{path}:{section}" if section else path, s) for s in text if "--8<--" not in s]
+    return out
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[p.name for p in PAGES])
+def test_every_listing_fits_the_column(page):
+    long = [f"{where}: {len(line)} columns: {line.strip()[:60]}" for where, line in listing_lines(page)
+            if len(line) > LISTING_COLUMNS]
+    assert not long, f"{page.name}: {len(long)} listing lines wider than {LISTING_COLUMNS} columns:\n" + "\n".join(long)

@@ -12,9 +12,9 @@ the FlatParameter's layout), the numbers are written here as data, and the tests
 package's own functions. The script imports nothing from the package, so it runs anywhere Python does.
 
 Size. Every diagram is 680 units wide, for the content column of the docs site (about 690 px on a desktop).
-The file's width and height equal its viewBox, so on a desktop it shows at 1:1 and 13 units of text are
-13 px; material's `max-width: 100%; height: auto` for images scales it down on a phone. No text is smaller
-than 13 units. `Canvas` refuses text that would stick out of the picture or out of its box, measuring it
+The file's width and height equal its viewBox, so on a desktop it shows at 1:1 and MIN_FONT units of text
+are MIN_FONT px, just over 10 pt (13.33 px); on a phone the site lets a diagram keep that size and pan
+(hooks/narrow.py). No text is smaller than MIN_FONT units. `Canvas` refuses text that would stick out of the picture or out of its box, measuring it
 with the advance widths of DejaVu Sans (and 0.61 em per character for monospace), wider than the other
 fonts a reader's system is likely to use (Helvetica, Arial, Segoe UI, Roboto), so the real text is no wider.
 
@@ -44,7 +44,7 @@ HERE = Path(__file__).resolve().parent
 OUT = HERE.parent / "figures" / "diagrams"
 
 WIDTH = 680
-MIN_FONT = 13
+MIN_FONT = 13.4  # 10 pt on the screen is 13.33 px: the smallest text, with a margin for rounding
 SANS_FONT = "-apple-system, BlinkMacSystemFont, Helvetica, Arial, sans-serif"  # material's, with font: false
 MONO_FONT = "SFMono-Regular, Consolas, Menlo, monospace"
 
@@ -190,13 +190,13 @@ class Canvas:
                           *self.body, "</svg>", ""])
 
 
-def swatch(c: Canvas, x, y, fill, label, dash=False, size=13) -> float:
+def swatch(c: Canvas, x, y, fill, label, dash=False, size=MIN_FONT) -> float:
     """A legend entry: a small box and its label; returns the x after it."""
     c.rect(x, y - 11, 16, 14, fill=fill, dash=dash)
     return x + 22 + c.text(x + 22, y, label, size=size)
 
 
-def bracket(c: Canvas, x, y0, y1, label_lines, size=13) -> None:
+def bracket(c: Canvas, x, y0, y1, label_lines, size=MIN_FONT) -> None:
     """A bracket down the right of rows y0..y1, with its label to its right."""
     c.path(f"M{num(x)},{num(y0)} h6 V{num(y1)} h-6", points=[(x, y0), (x + 6, y1)])
     mid = (y0 + y1) / 2 - (len(label_lines) - 1) * 8
@@ -225,10 +225,10 @@ def ring_allreduce() -> Canvas:
         c.line(centre[r] + 30, 29, centre[r + 1] - 32, 29, arrow=True)
     c.path(f"M{num(centre[3] + 30)},29 h16 V10 H{num(centre[0] - 46)} V29 h12",
            points=[(centre[3] + 46, 10), (centre[0] - 46, 29)], arrow=True)
-    c.text(left - 10, 56, "chunk", anchor="end", size=13)
+    c.text(left - 10, 56, "chunk", anchor="end", size=MIN_FONT)
     for r in range(n):
         for k in range(n):
-            c.text(cell_x[r][k] + cell / 2, 56, str(k), anchor="middle", size=13)
+            c.text(cell_x[r][k] + cell / 2, 56, str(k), anchor="middle", size=MIN_FONT)
 
     # who has been summed into each chunk of each rank, step by step
     have = [[{r} for _ in range(n)] for r in range(n)]
@@ -256,14 +256,14 @@ def ring_allreduce() -> Canvas:
     top, pitch = 66, 32
     for i, (label, state, got) in enumerate(rows):
         y = top + i * pitch
-        c.text(left - 10, y + 16, label, anchor="end", size=13)
+        c.text(left - 10, y + 16, label, anchor="end", size=MIN_FONT)
         for r in range(n):
             for k in range(n):
                 count = len(state[r][k])
                 fill = GRAY if count == 1 else PURPLE if count == n else ORANGE
                 if (r, k) in got:  # a ring around what arrived in this step
                     c.rect(cell_x[r][k] - 3, y - 3, cell + 6, cell + 6, width=2, rx=4)
-                c.box(cell_x[r][k], y, cell, cell, str(count), fill, size=13, bold=count == n)
+                c.box(cell_x[r][k], y, cell, cell, str(count), fill, size=MIN_FONT, bold=count == n)
     x_br = left + n * col_w + 6
     bracket(c, x_br, top - 2, top + 3 * pitch + cell + 2, ["reduce_scatter:", "N − 1 = 3 steps"])
     bracket(c, x_br, top + 4 * pitch - 2, top + 6 * pitch + cell + 2, ["all_gather:", "N − 1 = 3 steps"])
@@ -275,9 +275,9 @@ def ring_allreduce() -> Canvas:
     x = swatch(c, 10, y, PURPLE, "4: the sum over all 4 ranks") + 18
     c.rect(x - 3, y - 14, 22, 20, width=2, rx=4)
     c.rect(x, y - 11, 16, 14, fill=GRAY)
-    c.text(x + 22, y, "arrived in this step, from the left-hand neighbour", size=13)
-    c.text(10, y + 28, "Each step, every rank sends one chunk, S/N bytes, to its right-hand neighbour.", size=13)
-    c.text(10, y + 46, "2(N − 1) = 6 steps cost 2·S·(N − 1)/N bytes per rank: one all_reduce.", size=13)
+    c.text(x + 22, y, "arrived in this step, from the left-hand neighbour", size=MIN_FONT)
+    c.text(10, y + 28, "Each step, every rank sends one chunk, S/N bytes, to its right-hand neighbour.", size=MIN_FONT)
+    c.text(10, y + 46, "2(N − 1) = 6 steps cost 2·S·(N − 1)/N bytes per rank: one all_reduce.", size=MIN_FONT)
     return c
 
 
@@ -296,31 +296,31 @@ def ddp_buckets() -> Canvas:
     def x(t):
         return x0 + t * unit
 
-    c.text(x0, 18, "one backward pass, time →  (gradients arrive last layer first)", size=13)
+    c.text(x0, 18, "one backward pass, time →  (gradients arrive last layer first)", size=MIN_FONT)
     lanes = {"backward": 28, "_on_grad_ready": 70, "buckets": 96, "all_reduce": 150}
     for name, y in lanes.items():
-        c.text(x0 - 10, y + 17, name, anchor="end", size=13, mono=name.startswith("_") or name == "all_reduce")
+        c.text(x0 - 10, y + 17, name, anchor="end", size=MIN_FONT, mono=name.startswith("_") or name == "all_reduce")
     for i, layer in enumerate((4, 3, 2, 1)):
-        c.box(x(5 * i), lanes["backward"], 5 * unit, 26, f"layer {layer}", ORANGE, size=13)
+        c.box(x(5 * i), lanes["backward"], 5 * unit, 26, f"layer {layer}", ORANGE, size=MIN_FONT)
         for t in (5 * i + 3.2, 5 * i + 4.6):  # the layer's weight, then its bias: each hook fires
             c.line(x(t), lanes["_on_grad_ready"] + 4, x(t), lanes["_on_grad_ready"] + 22, colour=MUTED, width=2)
-    c.box(x(20), lanes["backward"], 4 * unit, 26, "_finish", GRAY, size=13, mono=True)
+    c.box(x(20), lanes["backward"], 4 * unit, 26, "_finish", GRAY, size=MIN_FONT, mono=True)
     # each bucket: its label, the time span of the layers whose gradients fill it, and its all_reduce's
     # duration (the last bucket is the smallest); full at the end of its span, it is launched at once
     buckets = [("bucket 0: layers 4, 3", 0, 10, 5), ("bucket 1", 10, 15, 4), ("bucket 2", 15, 20, 3)]
     for i, (label, a, b, duration) in enumerate(buckets):
-        c.box(x(a) + 1, lanes["buckets"], (b - a) * unit - 2, 24, label, GRAY, size=13, dash=True)
+        c.box(x(a) + 1, lanes["buckets"], (b - a) * unit - 2, 24, label, GRAY, size=MIN_FONT, dash=True)
         c.line(x(b), lanes["buckets"] + 24, x(b), lanes["all_reduce"] - 1, arrow=True)
-        c.box(x(b) + 1, lanes["all_reduce"], duration * unit - 2, 26, f"bucket {i}", PURPLE, size=13)
-    c.text(x(10) + 6, lanes["all_reduce"] - 11, "_launch", size=13, mono=True)
+        c.box(x(b) + 1, lanes["all_reduce"], duration * unit - 2, 26, f"bucket {i}", PURPLE, size=MIN_FONT)
+    c.text(x(10) + 6, lanes["all_reduce"] - 11, "_launch", size=MIN_FONT, mono=True)
     y = 204
     for s in ("_launch, once a bucket's last gradient is ready: flatten it, × 1/N, start an",
               "async all_reduce, strictly in bucket order. It travels while backward computes.",
               "_finish, queued on the autograd engine: wait for every bucket, copy the averages",
               "into each .grad. Then backward() returns."):
-        c.text(10, y, s, size=13)
+        c.text(10, y, s, size=MIN_FONT)
         y += 20
-    c.text(10, y + 6, "Buckets are packed in reverse registration order, then rebuilt in arrival order.", size=13)
+    c.text(10, y + 6, "Buckets are packed in reverse registration order, then rebuilt in arrival order.", size=MIN_FONT)
     return c
 
 
@@ -343,11 +343,11 @@ def zero_stages() -> Canvas:
     y = 20
     for name, what, sharded, total in stages:
         w = c.text(10, y, name, bold=True)
-        c.text(20 + w, y, what, size=13)
-        c.text(WIDTH - 10, y, f"{total} bytes per rank", anchor="end", size=13)
+        c.text(20 + w, y, what, size=MIN_FONT)
+        c.text(WIDTH - 10, y, f"{total} bytes per rank", anchor="end", size=MIN_FONT)
         for r in range(n):
             top = y + 10 + r * 17
-            c.text(x0 - 8, top + 12, f"rank {r}", anchor="end", size=13)
+            c.text(x0 - 8, top + 12, f"rank {r}", anchor="end", size=MIN_FONT)
             for (a, b, fill), shard in zip(states, sharded):
                 if shard:
                     part = (b - a) / n
@@ -358,7 +358,7 @@ def zero_stages() -> Canvas:
         y += 10 + 4 * 17 + 16
     y -= 8
     for v in (0, 4, 8, 16):
-        c.text(x0 + v * per, y, f"{v}Ψ" if v else "0", anchor="middle", size=13)
+        c.text(x0 + v * per, y, f"{v}Ψ" if v else "0", anchor="middle", size=MIN_FONT)
     y += 24
     x = swatch(c, 10, y, BLUE, "parameters, fp32: 4Ψ") + 18
     x = swatch(c, x, y, ORANGE, "gradients: 4Ψ") + 18
@@ -392,19 +392,19 @@ def oss_partition() -> Canvas:
                "gaps, and the four ranks end with 7,360, 7,360, 7,328 and 7,328 elements. In step(), each rank "
                "steps only its own share, then each owner in turn broadcasts its updated parameters.")
     c.text(10, 18, "largest first, each to the least-loaded rank", bold=True)
-    c.text(86, 42, "elements", anchor="end", size=13)
-    c.text(96, 42, "tensor", size=13)
-    c.text(341, 42, "rank", anchor="middle", size=13)
+    c.text(86, 42, "elements", anchor="end", size=MIN_FONT)
+    c.text(96, 42, "tensor", size=MIN_FONT)
+    c.text(341, 42, "rank", anchor="middle", size=MIN_FONT)
     y = 64
     for i, (name, size, rank) in enumerate(PARTITION_MATRICES):
-        c.text(30, y, f"{i + 1}", anchor="end", size=13)
-        c.text(86, y, f"{size:,}", anchor="end", size=13, mono=True)
-        c.text(96, y, name, size=13, mono=True)
-        c.text(312, y, "→", size=13)
-        c.box(332, y - 12, 18, 16, str(rank), RANKS[rank], size=13)
+        c.text(30, y, f"{i + 1}", anchor="end", size=MIN_FONT)
+        c.text(86, y, f"{size:,}", anchor="end", size=MIN_FONT, mono=True)
+        c.text(96, y, name, size=MIN_FONT, mono=True)
+        c.text(312, y, "→", size=MIN_FONT)
+        c.box(332, y - 13, 18, 17, str(rank), RANKS[rank], size=MIN_FONT)
         y += 21
-    c.text(10, y + 2, f"then {PARTITION_VECTORS} vectors of 32 or 128 elements,", size=13)
-    c.text(10, y + 20, "the same way: they fill the gaps", size=13)
+    c.text(10, y + 2, f"then {PARTITION_VECTORS} vectors of 32 or 128 elements,", size=MIN_FONT)
+    c.text(10, y + 20, "the same way: they fill the gaps", size=MIN_FONT)
 
     # each rank's share, stacked bottom up in the order placed
     bottom, scale, col_w, x_cols = 282, 0.031, 50, 398
@@ -414,20 +414,20 @@ def oss_partition() -> Canvas:
         for i, (name, size, rank) in enumerate(PARTITION_MATRICES):
             if rank == r:
                 h = size * scale
-                c.box(xr, level - h, col_w, h, str(i + 1), RANKS[r], size=13)
+                c.box(xr, level - h, col_w, h, str(i + 1), RANKS[r], size=MIN_FONT)
                 level -= h
         rest = PARTITION_TOTALS[r] - sum(s for _, s, rank in PARTITION_MATRICES if rank == r)
         c.rect(xr, level - rest * scale - 1, col_w, rest * scale + 1, fill=RANKS[r])
-        c.text(xr + col_w / 2, bottom + 18, f"rank {r}", anchor="middle", size=13)
-        c.text(xr + col_w / 2, bottom + 35, f"{PARTITION_TOTALS[r]:,}", anchor="middle", size=13, mono=True)
-    c.text(x_cols - 8, bottom + 35, "elements", anchor="end", size=13)
+        c.text(xr + col_w / 2, bottom + 18, f"rank {r}", anchor="middle", size=MIN_FONT)
+        c.text(xr + col_w / 2, bottom + 35, f"{PARTITION_TOTALS[r]:,}", anchor="middle", size=MIN_FONT, mono=True)
+    c.text(x_cols - 8, bottom + 35, "elements", anchor="end", size=MIN_FONT)
 
     y = 346
-    c.text(10, y, "step(): each rank steps only its share, then each owner broadcasts it, in rank order", size=13)
+    c.text(10, y, "step(): each rank steps only its share, then each owner broadcasts it, in rank order", size=MIN_FONT)
     w, gap = 152, 20
     for r in range(n):
         xb = 10 + r * (w + gap)
-        c.box(xb, y + 14, w, 30, f"broadcast, src={r}", RANKS[r], size=13)
+        c.box(xb, y + 14, w, 30, f"broadcast, src={r}", RANKS[r], size=MIN_FONT)
         if r < n - 1:
             c.line(xb + w + 2, y + 29, xb + w + gap - 2, y + 29, arrow=True)
     return c
@@ -457,38 +457,38 @@ def flat_parameter() -> Canvas:
     for i in range(4):
         for j in range(5):
             c.rect(20 + j * cell, 30 + i * cell, cell, cell, fill=BLUE)
-    c.text(100, 50, "module.weight", size=13, mono=True)
-    c.text(100, 68, "w: 20 elements", size=13)
+    c.text(100, 50, "module.weight", size=MIN_FONT, mono=True)
+    c.text(100, 68, "w: 20 elements", size=MIN_FONT)
     for j in range(5):
         c.rect(330 + j * cell, 30, cell, cell, fill=GREEN)
-    c.text(410, 42, "module.bias", size=13, mono=True)
-    c.text(410, 60, "b: 5 elements", size=13)
+    c.text(410, 42, "module.bias", size=MIN_FONT, mono=True)
+    c.text(410, 60, "b: 5 elements", size=MIN_FONT)
 
     x0, cw = 64, 12  # the flat strips: 48 cells of 12
 
     def strip(y, ranks=False):
         spans = [(0, 20, "w", "w"), (20, 32, "12 zeros", None), (32, 37, "b", "b"), (37, 48, "11 zeros", None)]
         for a, b, label, name in spans:
-            c.box(x0 + a * cw, y, (b - a) * cw, 24, label, fill[name] if name else GRAY, size=13, mono=name is not None)
+            c.box(x0 + a * cw, y, (b - a) * cw, 24, label, fill[name] if name else GRAY, size=MIN_FONT, mono=name is not None)
         for k in range(1, 48):
             c.line(x0 + k * cw, y + 1, x0 + k * cw, y + 4, colour=INK, width=1)
         if ranks:  # where each rank's shard landed
             for r in range(n):
                 a, b = x0 + r * shard * cw, x0 + (r + 1) * shard * cw
                 c.path(f"M{num(a + 1)},{y - 3} v-5 H{num(b - 1)} v5", points=[(a, y - 8), (b, y - 3)], width=1)
-                c.text((a + b) / 2, y - 12, f"from rank {r}", anchor="middle", size=13)
+                c.text((a + b) / 2, y - 12, f"from rank {r}", anchor="middle", size=MIN_FONT)
 
     c.line(40, 92, 40, 124, arrow=True)
-    c.text(52, 106, "flatten: each parameter on a 64-byte boundary (16 fp32 elements),", size=13)
-    c.text(52, 122, "then zeros up to a multiple of N and 16", size=13)
+    c.text(52, 106, "flatten: each parameter on a 64-byte boundary (16 fp32 elements),", size=MIN_FONT)
+    c.text(52, 122, "then zeros up to a multiple of N and 16", size=MIN_FONT)
     for v in (0, 20, 32, 37, 48):
-        c.text(x0 + v * cw, 146, str(v), anchor="middle", size=13)
+        c.text(x0 + v * cw, 146, str(v), anchor="middle", size=MIN_FONT)
     strip(152)
-    c.text(10, 169, "flat", size=13)
+    c.text(10, 169, "flat", size=MIN_FONT)
 
     c.line(40, 184, 40, 212, arrow=True)
     c.text(52, 200, f"shard: rank r keeps flat[{shard}r : {shard}r + {shard}], its param (shard_numel = {shard})",
-           size=13)
+           size=MIN_FONT)
     gap = 16
     sx = (WIDTH - n * shard * cw - (n - 1) * gap) / 2
     for r in range(n):
@@ -496,20 +496,20 @@ def flat_parameter() -> Canvas:
             e = r * shard + k
             name = next((p for p, off in zip(numel, FLAT_OFFSETS) if off <= e < off + numel[p]), None)
             c.rect(sx + r * (shard * cw + gap) + k * cw, 218, cw, 24, fill=fill[name] if name else GRAY)
-        c.text(sx + r * (shard * cw + gap) + shard * cw / 2, 260, f"rank {r}", anchor="middle", size=13)
+        c.text(sx + r * (shard * cw + gap) + shard * cw / 2, 260, f"rank {r}", anchor="middle", size=MIN_FONT)
 
     c.line(40, 272, 40, 300, arrow=True)
-    c.text(52, 288, "unshard(): all_gather the 4 shards into _full; the parameters become views of it", size=13)
+    c.text(52, 288, "unshard(): all_gather the 4 shards into _full; the parameters become views of it", size=MIN_FONT)
     strip(326, ranks=True)
-    c.text(10, 343, "_full", size=13, mono=True)
+    c.text(10, 343, "_full", size=MIN_FONT, mono=True)
     for a, b, s in ((0, 20, "module.weight = _full[0:20].view(4, 5)"), (32, 37, "module.bias = _full[32:37]")):
         xa, xb = x0 + a * cw, x0 + b * cw
         c.path(f"M{num(xa)},358 v6 H{num(xb)} v-6", points=[(xa, 358), (xb, 364)])
         c.line((xa + xb) / 2, 364, (xa + xb) / 2, 372)
-        c.text((xa + xb) / 2 if a == 0 else xa - 40, 388, s, anchor="middle" if a == 0 else "start", size=13,
+        c.text((xa + xb) / 2 if a == 0 else xa - 40, 388, s, anchor="middle" if a == 0 else "start", size=MIN_FONT,
                mono=True)
-    c.text(10, 418, "reshard(): _full's storage is resized to 0. The memory goes back; the views stay,", size=13)
-    c.text(10, 436, "as objects with no bytes behind them, until the next unshard() fills the same storage.", size=13)
+    c.text(10, 418, "reshard(): _full's storage is resized to 0. The memory goes back; the views stay,", size=MIN_FONT)
+    c.text(10, 436, "as objects with no bytes behind them, until the next unshard() fills the same storage.", size=MIN_FONT)
     return c
 
 
@@ -543,13 +543,13 @@ def fsdp_unit_lifecycle() -> Canvas:
         mono = name.endswith(")")
         w = c.text(10, y + 15, name, size=14, mono=mono, bold=True)
         if collective:
-            cw = text_width(collective, 13, mono=True) + 10
-            c.box(20 + w, y + 1, cw, 19, collective, BLUE if collective == "all_gather" else ORANGE, size=13, mono=True)
-        c.text(10, y + 33, note, size=13)
+            cw = text_width(collective, MIN_FONT, mono=True) + 10
+            c.box(20 + w, y + 1, cw, 19, collective, BLUE if collective == "all_gather" else ORANGE, size=MIN_FONT, mono=True)
+        c.text(10, y + 33, note, size=MIN_FONT)
         x = x0
         for part in held:
             width, fill, label = parts[part]
-            c.box(x, y + 6, width, 26, label, fill, size=13, mono=label.startswith("_"))
+            c.box(x, y + 6, width, 26, label, fill, size=MIN_FONT, mono=label.startswith("_"))
             x += width
         y += 44
     y += 14
@@ -559,7 +559,7 @@ def fsdp_unit_lifecycle() -> Canvas:
     y += 22
     x = swatch(c, 10, y, ORANGE, "param.grad: the flat gradient, held until sent") + 16
     swatch(c, x, y, YELLOW, ".grad: its shard, P/N")
-    c.text(10, y + 24, "Not drawn: the optimizer state of the shard (2·P/N for AdamW), there throughout.", size=13)
+    c.text(10, y + 24, "Not drawn: the optimizer state of the shard (2·P/N for AdamW), there throughout.", size=MIN_FONT)
     return c
 
 
@@ -617,19 +617,19 @@ def backward_prefetch() -> Canvas:
         waited = sum(end - start for kind, _, start, end in compute if kind == "wait")
         buffers = "two full buffers" if mode == "BACKWARD_PRE" else "one full buffer"
         c.text(10, y + 16, title, mono=True, bold=True)
-        c.text(WIDTH - 10, y + 16, f"waiting: {waited} · {buffers}", anchor="end", size=13)
-        c.text(10, y + 35, note, size=13)
+        c.text(WIDTH - 10, y + 16, f"waiting: {waited} · {buffers}", anchor="end", size=MIN_FONT)
+        c.text(10, y + 35, note, size=MIN_FONT)
         for lane, spans, top in (("compute", compute, y + 44), ("channel", channel, y + 76)):
-            c.text(x0 - 8, top + 17, lane, anchor="end", size=13)
+            c.text(x0 - 8, top + 17, lane, anchor="end", size=MIN_FONT)
             for kind, u, a, b in spans:
                 label, fill = {"wait": ("wait", RED), "compute": (f"blocks.{u}", GRAY),
                                "AG": (f"AG {u}", BLUE), "RS": (f"RS {u}", ORANGE)}[kind]
-                c.box(x0 + a * unit + 0.5, top, (b - a) * unit - 1, 26, label, fill, size=13)
+                c.box(x0 + a * unit + 0.5, top, (b - a) * unit - 1, 26, label, fill, size=MIN_FONT)
         y += 126
     y -= 2
     for t in range(0, 25, 4):
-        c.text(x0 + t * unit, y, str(t), anchor="middle", size=13)
-    c.text(x0 - 8, y, "time", anchor="end", size=13)
+        c.text(x0 + t * unit, y, str(t), anchor="middle", size=MIN_FONT)
+    c.text(x0 - 8, y, "time", anchor="end", size=MIN_FONT)
     y += 26
     x = swatch(c, 10, y, BLUE, "AG i: all_gather of blocks.i") + 16
     x = swatch(c, x, y, ORANGE, "RS i: its reduce_scatter") + 16
@@ -648,7 +648,7 @@ def mixed_precision() -> Canvas:
                "grad_for_optimizer() casts this rank's shard to fp32; .grad, fp32, P/N. optimizer.step() updates "
                "the master shard in fp32 with AdamW's fp32 state. A dashed outline around the master shard, the "
                "optimizer and the gradient shard marks what CPU offload keeps in host memory.")
-    xs, w, h = (8, 180, 352, 524), 148, 56
+    xs, w, h = (6, 178, 350, 522), 152, 56
     rows = (40, 150, 260)
     top = [("master shard", "param: fp32, P/N", BLUE), ("_cast_shard()", "to param_dtype: bf16", GRAY),
            ("all_gather", "bf16 on the wire", BLUE), ("_full", "bf16, P: the views", TEAL)]
@@ -657,11 +657,11 @@ def mixed_precision() -> Canvas:
     for row, boxes in ((rows[0], top), (rows[2], bottom)):
         for x, (name, note, fill) in zip(xs, boxes):
             code = name.startswith(("_", ".", "param", "grad", "all_", "reduce_"))
-            c.box(x, row, w, h, [(name, {"mono": code, "bold": not code, "size": 13 if code else 14}),
-                                 (note, {"size": 13})], fill)
-    c.box(xs[3], rows[1], w, h, [("forward, backward", {}), ("compute in bf16", {"size": 13})], GRAY)
-    c.box(xs[0], rows[1], w, h, [("optimizer.step()", {"mono": True, "size": 13}),
-                                 ("fp32, AdamW state", {"size": 13})], GREEN)
+            c.box(x, row, w, h, [(name, {"mono": code, "bold": not code, "size": MIN_FONT if code else 14}),
+                                 (note, {"size": MIN_FONT})], fill)
+    c.box(xs[3], rows[1], w, h, [("forward, backward", {}), ("compute in bf16", {"size": MIN_FONT})], GRAY)
+    c.box(xs[0], rows[1], w, h, [("optimizer.step()", {"mono": True, "size": MIN_FONT}),
+                                 ("fp32, AdamW state", {"size": MIN_FONT})], GREEN)
     for i in range(3):  # along the top, then back along the bottom
         c.line(xs[i] + w + 2, rows[0] + h / 2, xs[i + 1] - 2, rows[0] + h / 2, arrow=True)
         c.line(xs[i + 1] - 2, rows[2] + h / 2, xs[i] + w + 2, rows[2] + h / 2, arrow=True)
@@ -670,14 +670,14 @@ def mixed_precision() -> Canvas:
     c.line(mid_r, rows[1] + h + 2, mid_r, rows[2] - 2, arrow=True)
     c.line(mid_l, rows[2] - 2, mid_l, rows[1] + h + 2, arrow=True)
     c.line(mid_l, rows[1] - 2, mid_l, rows[0] + h + 2, arrow=True)
-    c.text(xs[1] - 8, rows[1] + 24, "mixed_precision=MixedPrecision(", size=13, mono=True)
-    c.text(xs[1] + 8, rows[1] + 42, "param_dtype=torch.bfloat16)", size=13, mono=True)
+    c.text(xs[1] - 8, rows[1] + 24, "mixed_precision=MixedPrecision(", size=MIN_FONT, mono=True)
+    c.text(xs[1] + 8, rows[1] + 42, "param_dtype=torch.bfloat16)", size=MIN_FONT, mono=True)
     c.rect(2, rows[0] - 8, w + 12, rows[2] + h - rows[0] + 16, dash=True, width=1.5, rx=6)
     y = rows[2] + h + 28
-    c.text(10, y, "Dashed: in host memory under CPUOffload(offload_params=True), and the step runs on", size=13)
-    c.text(10, y + 18, "the CPU. The fp32 shard then crosses host_to_device at every unshard, and the", size=13)
-    c.text(10, y + 36, "gradient shard device_to_host in reduce_dtype, cast to fp32 on the host.", size=13)
-    c.text(10, y + 58, "reduce_dtype=None sends bf16 (2 bytes an element); torch.float32 sends 4.", size=13)
+    c.text(10, y, "Dashed: in host memory under CPUOffload(offload_params=True), and the step runs on", size=MIN_FONT)
+    c.text(10, y + 18, "the CPU. The fp32 shard then crosses host_to_device at every unshard, and the", size=MIN_FONT)
+    c.text(10, y + 36, "gradient shard device_to_host in reduce_dtype, cast to fp32 on the host.", size=MIN_FONT)
+    c.text(10, y + 58, "reduce_dtype=None sends bf16 (2 bytes an element); torch.float32 sends 4.", size=MIN_FONT)
     return c
 
 
@@ -705,7 +705,7 @@ def activation_checkpointing() -> Canvas:
         t, alive, points = 0, 0.0, [(0, 0.0)]
         for kind, i, d in actions:
             fill = {"F": BLUE, "R": TEAL, "B": ORANGE}[kind]
-            c.box(x0 + t * unit + 0.5, lane, d * unit - 1, 26, f"{kind}{i}", fill, size=13)
+            c.box(x0 + t * unit + 0.5, lane, d * unit - 1, 26, f"{kind}{i}", fill, size=MIN_FONT)
             if kind == "F":
                 alive += kept_input if p == 1 else 1
             elif kind == "R":
@@ -722,16 +722,16 @@ def activation_checkpointing() -> Canvas:
         peak = max(v for _, v in points)
         c.line(x0, base - peak * level, x0 + 16 * unit, base - peak * level, dash=True, width=1)
         label = "peak: 4 blocks' activations" if p == 0 else "peak: the inputs + 1 block's activations"
-        c.text(x0 + 16 * unit, base - peak * level - 5, label, anchor="end", size=13)
-        c.text(x0 - 8, base - 20, "alive", anchor="end", size=13)
-        c.text(x0 - 8, base - 4, "activations", anchor="end", size=13)
+        c.text(x0 + 16 * unit, base - peak * level - 5, label, anchor="end", size=MIN_FONT)
+        c.text(x0 - 8, base - 20, "alive", anchor="end", size=MIN_FONT)
+        c.text(x0 - 8, base - 4, "activations", anchor="end", size=MIN_FONT)
         y = base + 32
     y -= 4
     x = swatch(c, 10, y, BLUE, "F: forward") + 14
     x = swatch(c, x, y, TEAL, "R: the forward again, saving") + 14
     swatch(c, x, y, ORANGE, "B: backward")
-    c.text(10, y + 24, "Under FSDP(checkpoint(block)), R runs inside the unit's backward, after its", size=13)
-    c.text(10, y + 42, "pre-backward all_gather: the recompute sends nothing more.", size=13)
+    c.text(10, y + 24, "Under FSDP(checkpoint(block)), R runs inside the unit's backward, after its", size=MIN_FONT)
+    c.text(10, y + 42, "pre-backward all_gather: the recompute sends nothing more.", size=MIN_FONT)
     return c
 
 
@@ -768,26 +768,26 @@ def checkpoint_reshard() -> Canvas:
             cuts = [a] + [e for e in lines if a < e < b] + [b]  # the name goes in the widest part between lines
             left, right = max(zip(cuts, cuts[1:]), key=lambda ab: ab[1] - ab[0])
             if (right - left) * cw > 40:
-                c.text(x0 + (left + right) / 2 * cw, y + 16, tensor, anchor="middle", size=13, mono=True, colour=INK)
+                c.text(x0 + (left + right) / 2 * cw, y + 16, tensor, anchor="middle", size=MIN_FONT, mono=True, colour=INK)
         if padded_to:
             c.box(x0 + total * cw + 0.5, y, (padded_to - total) * cw - 1, 24, "", GRAY)
 
-    c.text(10, 18, "saved at N = 2: each rank's range of the flat buffer, written as boxes of each tensor", size=13)
+    c.text(10, 18, "saved at N = 2: each rank's range of the flat buffer, written as boxes of each tensor", size=MIN_FONT)
     strip(28, RESHARD_BOXES[RESHARD_SAVED])
     offset = 0
     for name, shape in RESHARD_SHAPES:
         n = shape[0] * shape[1] if len(shape) == 2 else shape[0]
         a, b = x0 + offset * cw, x0 + (offset + n) * cw
         c.path(f"M{num(a + 1)},58 v5 H{num(b - 1)} v-5", points=[(a, 58), (b, 63)], width=1)
-        c.text((a + b) / 2, 80, f"{name} {shape}", anchor="middle", size=13, mono=True)
+        c.text((a + b) / 2, 80, f"{name} {shape}", anchor="middle", size=MIN_FONT, mono=True)
         offset += n
     for v in (0, 55, 110):
-        c.text(x0 + v * cw, 98, str(v), anchor="middle", size=13)
+        c.text(x0 + v * cw, 98, str(v), anchor="middle", size=MIN_FONT)
 
-    c.text(10, 128, "on disk: each tensor as a list of chunks, each written by one rank", size=13)
-    gx, cell = (20, 246, 472), 13
+    c.text(10, 128, "on disk: each tensor as a list of chunks, each written by one rank", size=MIN_FONT)
+    gx, cell = (14, 240, 466), 13
     for (name, shape), x in zip(RESHARD_SHAPES, gx):
-        c.text(x, 152, f"{name} {shape}", size=13, mono=True)
+        c.text(x, 152, f"{name} {shape}", size=MIN_FONT, mono=True)
         chunks = [bx for bx in RESHARD_BOXES[RESHARD_SAVED] if bx[1] == name]
         for rank, _, off, size, *_ in chunks:
             (r0, c0), (nr, nc) = (off, size) if len(off) == 2 else ((0, off[0]), (1, size[0]))
@@ -795,9 +795,9 @@ def checkpoint_reshard() -> Canvas:
         for i, (rank, _, off, size, *_) in enumerate(chunks):
             tup = [f"({', '.join(map(str, t))}{',' if len(t) == 1 else ''})" for t in (off, size)]
             c.rect(x, 262 + i * 20 - 11, 14, 14, fill=RANKS[rank])
-            c.text(x + 20, 262 + i * 20, f"at {tup[0]}, size {tup[1]}", size=13, mono=True)
+            c.text(x + 20, 262 + i * 20, f"at {tup[0]}, size {tup[1]}", size=MIN_FONT, mono=True)
 
-    c.text(10, 338, "loaded at N = 3: each rank's range as boxes; DCP copies each overlap with a chunk", size=13)
+    c.text(10, 338, "loaded at N = 3: each rank's range as boxes; DCP copies each overlap with a chunk", size=MIN_FONT)
     y = 348
     strip(y, RESHARD_BOXES[RESHARD_LOADED], padded_to=-(-total // RESHARD_LOADED) * RESHARD_LOADED,
           lines=chunk_ends)
@@ -807,7 +807,7 @@ def checkpoint_reshard() -> Canvas:
         c.line(xb, y - 6, xb, y - 1, colour=MUTED, width=1.5)
         c.line(xb, y + 25, xb, y + 30, colour=MUTED, width=1.5)
     for v in (0, 37, 74, 111):
-        c.text(x0 + v * cw, y + 46, str(v), anchor="middle", size=13)
+        c.text(x0 + v * cw, y + 46, str(v), anchor="middle", size=MIN_FONT)
     y += 76
     x = swatch(c, 10, y, RANKS[0], "rank 0") + 14
     x = swatch(c, x, y, RANKS[1], "rank 1") + 14
@@ -816,7 +816,7 @@ def checkpoint_reshard() -> Canvas:
     y += 24
     c.rect(10, y - 12, 16, 16, fill=GRAY)
     c.line(18, y - 11, 18, y + 3, colour=INK, width=1.5, dash=True)
-    c.text(32, y, "where two chunks on disk meet: a box across one is read from both", size=13)
+    c.text(32, y, "where two chunks on disk meet: a box across one is read from both", size=MIN_FONT)
     return c
 
 
@@ -829,35 +829,35 @@ def hsdp_mesh() -> Canvas:
                "the replicate group, ranks 0 and 2, and ranks 1 and 3, all-reduce their gradient shard. Per unit a "
                "rank sends F/2 into the reduce-scatter and F/2 into the all-reduce, and only the all-reduce "
                "crosses the link between nodes.")
-    c.text(10, 20, 'init_mesh((2, 2), ("replicate", "shard")): rank r in row r // 2, column r % 2', size=13, mono=True)
+    c.text(10, 20, 'init_mesh((2, 2), ("replicate", "shard")): rank r in row r // 2, column r % 2', size=MIN_FONT, mono=True)
     node_x, node_w, node_h = 10, 470, 92
     rank_w, step = 140, 290
     shard_fill = (YELLOW, TEAL)
     for col in range(2):  # the replicate groups: a rank and the one holding the same shard on the other node
         x = node_x + 20 + col * step + rank_w / 2
         c.line(x, 40 + 80 + 2, x, 190 + 28 - 2, colour=MUTED, width=2)
-        c.box(x - 55, 142, 110, 24, "all_reduce", PURPLE, size=13, mono=True)
+        c.box(x - 55, 142, 110, 24, "all_reduce", PURPLE, size=MIN_FONT, mono=True)
     for node in range(2):
         y = 40 + node * 150
         c.rect(node_x, y, node_w, node_h, dash=True, width=1.5, rx=8)
-        c.text(node_x + 10, y + 20, f"node {node}", size=13, bold=True)
+        c.text(node_x + 10, y + 20, f"node {node}", size=MIN_FONT, bold=True)
         xa, xb = node_x + 20 + rank_w, node_x + 20 + step
         c.line(xa, y + 54, xb, y + 54, width=2)  # the shard group: the ranks of a node
         for col in range(2):
             r = node * 2 + col
             c.box(node_x + 20 + col * step, y + 28, rank_w, 52,
-                  [(f"rank {r}", {"bold": True}), (f"shard {col} of each unit", {"size": 13})], shard_fill[col])
-        c.box(xa + 12, y + 30, xb - xa - 24, 22, "all_gather", BLUE, size=13, mono=True)
-        c.box(xa + 12, y + 56, xb - xa - 24, 22, "reduce_scatter", ORANGE, size=13, mono=True)
+                  [(f"rank {r}", {"bold": True}), (f"shard {col} of each unit", {"size": MIN_FONT})], shard_fill[col])
+        c.box(xa + 12, y + 30, xb - xa - 24, 22, "all_gather", BLUE, size=MIN_FONT, mono=True)
+        c.box(xa + 12, y + 56, xb - xa - 24, 22, "reduce_scatter", ORANGE, size=MIN_FONT, mono=True)
     gx = node_x + node_w + 12
-    c.text(gx, 70, '"shard" group:', size=13, mono=True)
-    c.text(gx, 88, "within a node,", size=13)
-    c.text(gx, 106, "fast links", size=13)
-    c.text(gx, 148, '"replicate" group:', size=13, mono=True)
-    c.text(gx, 166, "across nodes,", size=13)
-    c.text(gx, 184, "the slow link", size=13)
-    c.text(10, 306, "Per unit of F elements a rank sends F/2 into its node's reduce_scatter, then F/2 into", size=13)
-    c.text(10, 324, "the all_reduce of its shard across nodes, 2 · (F/2) · 1/2: only that part crosses.", size=13)
+    c.text(gx, 70, '"shard" group:', size=MIN_FONT, mono=True)
+    c.text(gx, 88, "within a node,", size=MIN_FONT)
+    c.text(gx, 106, "fast links", size=MIN_FONT)
+    c.text(gx, 148, '"replicate" group:', size=MIN_FONT, mono=True)
+    c.text(gx, 166, "across nodes,", size=MIN_FONT)
+    c.text(gx, 184, "the slow link", size=MIN_FONT)
+    c.text(10, 306, "Per unit of F elements a rank sends F/2 into its node's reduce_scatter, then F/2 into", size=MIN_FONT)
+    c.text(10, 324, "the all_reduce of its shard across nodes, 2 · (F/2) · 1/2: only that part crosses.", size=MIN_FONT)
     return c
 
 
@@ -869,20 +869,20 @@ def tp_f_g() -> Canvas:
                "gelu, then RowParallelLinear with this rank's columns B_r of the second weight, giving a partial sum "
                "Z_r, and g all-reduces the partial sums into z, the same on both ranks. Backward runs the other "
                "way: g is the identity, and f all-reduces the two ranks' parts of the gradient of x.")
-    xs = {"f": 108, "col": 148, "gelu": 326, "row": 380, "g": 558}
-    ws = {"f": 24, "col": 164, "gelu": 40, "row": 164, "g": 26}
+    xs = {"f": 106, "col": 142, "gelu": 324, "row": 372, "g": 554}
+    ws = {"f": 24, "col": 170, "gelu": 36, "row": 170, "g": 26}
 
     def panel(y, backward):
         c.text(10, y, "backward: dL/dz in, dL/dx out" if backward else "forward: x in, z out", bold=True)
         for r in range(2):
             ry = y + 14 + r * 50
-            c.text(50, ry + 25, f"rank {r}", anchor="end", size=13, bold=True)
-            c.text(56, ry + 25, "dL/dx" if backward else "x", size=13)
+            c.text(50, ry + 25, f"rank {r}", anchor="end", size=MIN_FONT, bold=True)
+            c.text(56, ry + 25, "dL/dx" if backward else "x", size=MIN_FONT)
             col = f"dL/dY_{r} → part of dL/dx" if backward else f"Y_{r} = x A_{r}ᵀ"
             row = f"dL/dz → dL/dY_{r}" if backward else f"Z_{r} = Y_{r} B_{r}ᵀ"
-            c.box(xs["col"], ry, ws["col"], 40, [("ColumnParallelLinear", {"mono": True}), col], GRAY, size=13)
-            c.box(xs["gelu"], ry + 8, ws["gelu"], 24, "gelu", GRAY, size=13)
-            c.box(xs["row"], ry, ws["row"], 40, [("RowParallelLinear", {"mono": True}), row], GRAY, size=13)
+            c.box(xs["col"], ry, ws["col"], 40, [("ColumnParallelLinear", {"mono": True}), col], GRAY, size=MIN_FONT)
+            c.box(xs["gelu"], ry + 8, ws["gelu"], 24, "gelu", GRAY, size=MIN_FONT)
+            c.box(xs["row"], ry, ws["row"], 40, [("RowParallelLinear", {"mono": True}), row], GRAY, size=MIN_FONT)
             chain = [(94, xs["f"]), (xs["f"] + ws["f"], xs["col"]), (xs["col"] + ws["col"], xs["gelu"]),
                      (xs["gelu"] + ws["gelu"], xs["row"]), (xs["row"] + ws["row"], xs["g"]),
                      (xs["g"] + ws["g"], 604)]
@@ -891,13 +891,13 @@ def tp_f_g() -> Canvas:
                     c.line(b - 2, ry + 20, a + 2, ry + 20, arrow=True)
                 else:
                     c.line(a + 2, ry + 20, b - 2, ry + 20, arrow=True)
-            c.text(608, ry + 25, "dL/dz" if backward else "z", size=13)
+            c.text(608, ry + 25, "dL/dz" if backward else "z", size=MIN_FONT)
         for name in ("f", "g"):
             reduces = (name == "g") != backward
             c.box(xs[name], y + 8, ws[name], 102, [(name, {"mono": True, "bold": True})],
                   PURPLE if reduces else TEAL)
         notes = "f: all_reduce · g: identity" if backward else "f: identity · g: all_reduce"
-        c.text(10, y + 134, notes, size=13, mono=True)
+        c.text(10, y + 134, notes, size=MIN_FONT, mono=True)
 
     panel(20, backward=False)
     panel(176, backward=True)
@@ -955,29 +955,29 @@ def pipeline_1f1b() -> Canvas:
     end = max(b for row in spans for _, _, b in row)
     x0, unit, top, pitch = 110, 15, 58, 34
     c.text(10, 18, "1F1B, p = 4, m = 8: a forward takes 1, a backward 2", bold=True)
-    c.text(WIDTH - 10, top - 8, "in flight", anchor="end", size=13)
+    c.text(WIDTH - 10, top - 8, "in flight", anchor="end", size=MIN_FONT)
     for r, row in enumerate(spans):
         y = top + r * pitch
-        c.text(x0 - 8, y + 18, f"rank {r}", anchor="end", size=13)
+        c.text(x0 - 8, y + 18, f"rank {r}", anchor="end", size=MIN_FONT)
         for a, s, e in row:
-            c.box(x0 + s * unit + 0.5, y, (e - s) * unit - 1, 26, a[1:], BLUE if a[0] == "F" else ORANGE, size=13)
-        c.text(WIDTH - 30, y + 18, str(min(p - r, m)), anchor="middle", size=13)
+            c.box(x0 + s * unit + 0.5, y, (e - s) * unit - 1, 26, a[1:], BLUE if a[0] == "F" else ORANGE, size=MIN_FONT)
+        c.text(WIDTH - 30, y + 18, str(min(p - r, m)), anchor="middle", size=MIN_FONT)
     # rank 0's three phases
     warm = [e for a, _, e in spans[0] if a.startswith("F")][p - 2]
     drain = [s for a, s, _ in spans[0] if a.startswith("B")][m - (p - 1)]
     for a, b, label in ((0, warm, "warm-up: 3 F"), (warm, drain, "one F, one B"), (drain, end, "cool-down: 3 B")):
         xa, xb = x0 + a * unit, x0 + b * unit
         c.path(f"M{num(xa + 1)},{top - 6} v-5 H{num(xb - 1)} v5", points=[(xa, top - 11), (xb, top - 6)], width=1)
-        c.text((xa + xb) / 2 if a else xa, top - 16, label, anchor="middle" if a else "start", size=13)
+        c.text((xa + xb) / 2 if a else xa, top - 16, label, anchor="middle" if a else "start", size=MIN_FONT)
     y = top + p * pitch + 10
     for t in range(0, end + 1, 3):
-        c.text(x0 + t * unit, y, str(t), anchor="middle", size=13)
+        c.text(x0 + t * unit, y, str(t), anchor="middle", size=MIN_FONT)
     y += 26
     x = swatch(c, 10, y, BLUE, "forward of micro-batch i") + 16
     x = swatch(c, x, y, ORANGE, "its backward") + 16
-    c.text(x, y, "empty: the bubble, (p − 1)/(m + p − 1) = 3/11", size=13)
+    c.text(x, y, "empty: the bubble, (p − 1)/(m + p − 1) = 3/11", size=MIN_FONT)
     c.text(10, y + 24, "Rank r starts with p − r − 1 forwards, then frees a micro-batch for each one it admits.",
-           size=13)
+           size=MIN_FONT)
     return c
 
 

@@ -30,7 +30,7 @@ import re
 import struct
 from pathlib import Path
 
-MIN_TEXT_PX = 10.0   # the smallest text a figure may draw on the screen, in CSS px
+MIN_TEXT_PX = 40 / 3  # the smallest text a figure may draw on the screen: 10 pt, in CSS px
 MARGIN = 1.04        # a little above the limit: subpixel rounding must not put a label at 9.99 px
 DEFAULT_MIN_FONT_PT = 10  # matplotlib's smallest default text; a PNG made by minifsdp/reports records its own
 MIN_FONT_KEY, DPI_KEY = "minifsdp min font pt", "minifsdp dpi"
