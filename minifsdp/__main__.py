@@ -301,10 +301,14 @@ def main(argv: list[str] | None = None) -> int:
                   f"        by_parts   {r['by_parts']}\n"
                   f"        bytes: all_reduce {r['bytes_all_reduce']:.1f}; by parts {parts}")
     elif args.command == "student":
+        from pathlib import Path
+
         from minifsdp.course import write_student_copy
-        from minifsdp.course.grade import parse_chapters
+        from minifsdp.course.grade import default_reference, parse_chapters
         try:
-            write_student_copy(".", args.out_dir, only=args.only, chapters=parse_chapters(args.chapters))
+            # the project in this directory, else the one the running minifsdp comes from (an editable install)
+            project = "." if Path("minifsdp", "__init__.py").is_file() else default_reference()
+            write_student_copy(project, args.out_dir, only=args.only, chapters=parse_chapters(args.chapters))
         except (FileExistsError, FileNotFoundError, ValueError) as e:
             print(f"minifsdp student: {e}", file=sys.stderr)
             return 2

@@ -72,7 +72,8 @@ def test_strip_keeps_the_markers_and_puts_a_raise_between_them():
 
         def double(x):
             # BEGIN EXERCISE 3.1: twice x
-            raise NotImplementedError("Exercise 3.1: twice x")
+            raise NotImplementedError(
+                "Exercise 3.1: twice x")
             # END EXERCISE
             return y
 
@@ -83,7 +84,8 @@ def test_strip_keeps_the_markers_and_puts_a_raise_between_them():
                 for item in items:
                     if item:
                         # BEGIN EXERCISE 3.2: add up the "true" items, say \\"why\\"
-                        raise NotImplementedError("Exercise 3.2: add up the \\"true\\" items, say \\\\\\"why\\\\\\"")
+                        raise NotImplementedError(
+                            "Exercise 3.2: add up the \\"true\\" items, say \\\\\\"why\\\\\\"")
                         # END EXERCISE
                 return total
         ''')
@@ -123,7 +125,8 @@ def test_text_without_markers_is_unchanged_and_markers_in_strings_do_not_count()
 def test_line_endings_and_a_last_line_without_newline_are_kept():
     text = "def f():\r\n    # BEGIN EXERCISE 1.1: t\r\n    return 1\r\n    # END EXERCISE"
     assert strip_solutions(text) == ('def f():\r\n    # BEGIN EXERCISE 1.1: t\r\n'
-                                     '    raise NotImplementedError("Exercise 1.1: t")\r\n    # END EXERCISE')
+                                     '    raise NotImplementedError(\r\n        "Exercise 1.1: t")\r\n'
+                                     '    # END EXERCISE')
 
 
 @pytest.mark.parametrize("text, line, complaint", [
@@ -203,8 +206,8 @@ def test_student_copy_of_the_real_project_imports_and_keeps_the_markers(tmp_path
         [(e.id, e.title, e.path.relative_to(REPO)) for e in removed]
     for ex in copied:
         inside = ex.path.read_text(encoding="utf-8").splitlines()[ex.begin:ex.end - 1]
-        placeholder = f"raise NotImplementedError({json.dumps(str(ex), ensure_ascii=False)})"
-        assert [line.strip() for line in inside] == [placeholder]
+        assert [line.strip() for line in inside] == \
+            ["raise NotImplementedError(", f"{json.dumps(str(ex), ensure_ascii=False)})"]
     for path in (out / "minifsdp").rglob("*.py"):
         compile(path.read_text(), str(path), "exec")
     assert (out / "tests" / "test_course.py").read_text() == Path(__file__).read_text()
@@ -311,9 +314,9 @@ def test_scan_regions_reads_a_students_markers_leniently():
             + strip_solutions(SOURCE) + "# BEGIN EXERCISE 4.1: never closed\nx = 1\n")
     regions, notes = scan_regions(text, Path("m.py"))
     assert [(r.id, r.indent, [line.strip() for line in r.body]) for r in regions] == [
-        ("3.1", "    ", ['raise NotImplementedError("Exercise 3.1: twice x")']),
-        ("3.2", " " * 16, [strip_solutions(SOURCE).splitlines()[16].strip()])]
-    assert notes == [("4.1", "BEGIN on m.py, line 24 has no END")]
+        ("3.1", "    ", ["raise NotImplementedError(", '"Exercise 3.1: twice x")']),
+        ("3.2", " " * 16, [line.strip() for line in strip_solutions(SOURCE).splitlines()[17:19]])]
+    assert notes == [("4.1", "BEGIN on m.py, line 26 has no END")]
     # Not valid Python (the student's code may not be): read line by line, the region still found.
     regions, notes = scan_regions("def f(:\n    # BEGIN EXERCISE 1.1: t\n    return (\n    # END EXERCISE\n",
                                   Path("m.py"))
@@ -409,8 +412,19 @@ def _insert_before_marker(path: Path, exercise: str, line: str) -> None:
     path.write_text("".join(lines[:at] + [line] + lines[at:]))
 
 
+def _escape_the_markers(sub: Path) -> None:
+    """1.1 solved, then a line at column 0 inside its markers: it closes `double`, and whatever follows would
+    run at import, outside any exercise (here harmless; it could redefine anything in the file)."""
+    path = sub / "minifsdp/arith.py"
+    text = path.read_text()
+    start = text.index("\n", text.index("BEGIN EXERCISE 1.1:")) + 1
+    end = text.index("    # END EXERCISE", start)
+    path.write_text(text[:start] + "    return x + x\nESCAPED = True\n" + text[end:])
+
+
 # Each way of scoring without doing the work, and how the report lists it.
 TAMPERING = {
+    "code indented out of its markers": (_escape_the_markers, []),
     "conftest hook": (lambda sub: [(sub / name).write_text(FORCE_PASS)
                                    for name in ("conftest.py", "tests/conftest.py")],
                       [("added", "conftest.py"), ("added", "tests/conftest.py")]),
@@ -534,7 +548,7 @@ def test_assembly_takes_only_the_code_between_the_markers_found_by_id(fake, tmp_
     (sub / "minifsdp/moved.py").write_text(text)
     assembly = assemble(reference, sub, tmp_path / "copy2", chapters=[2])
     assert set(assembly.missing) == {"2.1"} and "has no END" in assembly.missing["2.1"]
-    assert 'raise NotImplementedError("Exercise 2.1: twice twice x")' in \
+    assert 'raise NotImplementedError(\n        "Exercise 2.1: twice twice x")' in \
         (tmp_path / "copy2/minifsdp/quad.py").read_text()
     assert (tmp_path / "copy2/minifsdp/arith.py").read_text() == (reference / "minifsdp/arith.py").read_text()
 
@@ -554,9 +568,13 @@ def test_a_solved_copy_scores_full_marks_and_a_student_copy_what_it_has(graded):
 
 @pytest.mark.parametrize("name", list(TAMPERING))
 def test_tampering_scores_what_an_untouched_copy_scores_and_is_listed(graded, name):
-    assert _scores(graded[name]) == _scores(graded["student"])
+    scores = lambda result: {**_scores(result), "exercises": [e[:4] for e in _scores(result)["exercises"]]}  # noqa: E731
+    assert scores(graded[name]) == scores(graded["student"])
     assert [(e["kind"], e["path"]) for e in graded[name]["edits_outside_exercises"]] == TAMPERING[name][1]
     assert graded["executed"] == [], "a file of the submission was run"
+    if name == "code indented out of its markers":  # the placeholder was graded instead, and the report says why
+        (ex,) = [e for e in graded[name]["exercises"] if e["id"] == "1.1"]
+        assert not ex["from_submission"] and "indented less than its markers" in ex["note"]
 
 
 def test_a_chapter_graded_alone_takes_the_other_solutions_from_the_reference(fake, plugins, tmp_path, bare):
@@ -662,14 +680,16 @@ def check_result_json(result: dict) -> None:
                           "seconds": (int, float)}, "result")
     for chapter in result["chapters"]:
         _check_types(chapter, {"chapter": int, "score": int, "max": int, "status": str, "seconds": (int, float),
-                               "passed": list, "failed": list, "skipped": list}, "chapter")
+                               "passed": list, "failed": list, "skipped": list, "test_seconds": dict}, "chapter")
         assert 0 <= chapter["score"] <= chapter["max"] and chapter["score"] == len(chapter["passed"])
         for failed in chapter["failed"]:
             _check_types(failed, {"id": str, "cause": str}, "failed test")
             assert "\n" not in failed["cause"]
     for ex in result["exercises"]:
         _check_types(ex, {"id": str, "chapter": int, "title": str, "from_submission": bool, "score": int, "max": int,
-                          "mechanism": dict, "tests": list, "failed": list}, "exercise")
+                          "mechanism": dict, "tests": list, "passed": list, "failed": list, "seconds": (int, float)},
+                     "exercise")
+        assert sorted(ex["passed"] + ex["failed"]) == sorted(ex["tests"]) and ex["score"] == len(ex["passed"])
         _check_types(ex["mechanism"], {"score": int, "max": int}, "mechanism")
         assert ex["chapter"] in result["chapters_graded"] and 0 <= ex["score"] <= ex["max"]
     _check_types(result["total"], {"score": int, "max": int}, "total")

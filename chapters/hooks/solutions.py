@@ -4,8 +4,8 @@ The chapter pages include the real package source (pymdownx.snippets), and the s
 exercise's solution between its two marker comments (minifsdp/course/student.py). Shown as it is, each
 listing would give the exercise away. So, in every code listing that holds an exercise block, this hook
 
-- keeps the two marker comments and puts the line a student copy has between them in place of the
-  solution, `raise NotImplementedError("Exercise 1.2: ...")`;
+- keeps the two marker comments and puts what a student copy has between them in place of the
+  solution, `raise NotImplementedError("Exercise 1.2: ...")` (over two lines);
 - adds, right after the listing, a collapsed block with the solution, its file and its line numbers:
 
       ??? success "Solution: Exercise 1.2 — average the bucket's gradients with an async all-reduce"
@@ -70,7 +70,7 @@ class Solution:
     title: str
     path: str               # relative to the project root, as the listings' titles name it
     first_line: int         # the solution's first line in that file (the line after BEGIN)
-    placeholder: str        # the line a student copy has between the markers, without its indentation
+    placeholder: tuple[str, ...]  # what a student copy has between the markers, without their indentation
     code: tuple[str, ...]   # the solution, indented relative to its markers; () where the source has none
 
 
@@ -113,9 +113,10 @@ def _relative(lines: list[str], indent: str) -> tuple[str, ...]:
 
 
 def _is_placeholder(code: tuple[str, ...], ex_id: str) -> bool:
-    written = [line for line in code if line.strip()]
-    return (len(written) == 1 and written[0].lstrip().startswith("raise NotImplementedError(")
-            and f"Exercise {ex_id}:" in written[0])
+    """The student copy's raise (placeholder_lines: two lines; one in copies made before it wrapped)."""
+    written = [line.strip() for line in code if line.strip()]
+    return (1 <= len(written) <= 2 and written[0].startswith("raise NotImplementedError(")
+            and f"Exercise {ex_id}:" in written[-1])
 
 
 def load_solutions(root: Path) -> dict[str, Solution]:
@@ -137,8 +138,8 @@ def load_solutions(root: Path) -> dict[str, Solution]:
             code = code[:-1]
         if _is_placeholder(code, ex.id):
             code = ()
-        make = getattr(course, "placeholder_line", None)
-        placeholder = make(ex, "", "").strip() if make else f"raise NotImplementedError({json.dumps(str(ex))})"
+        make = getattr(course, "placeholder_lines", None)
+        placeholder = tuple(make(ex)) if make else (f"raise NotImplementedError({json.dumps(str(ex))})",)
         rel = path.resolve().relative_to(root.resolve()).as_posix() if path.is_absolute() else path.as_posix()
         solutions[ex.id] = Solution(ex.id, ex.title, rel, ex.begin + 1, placeholder, code)
     return solutions
@@ -199,7 +200,7 @@ def fold_listing(body: list[str], info: str, page: str = "") -> tuple[list[str],
         if _is_placeholder(code, sol.id) or not code:  # a student copy (or an empty block): nothing to fold
             out.extend(body[k:end + 1])
         elif code == sol.code:
-            out += [line, indent + sol.placeholder, body[end]]
+            out += [line, *(indent + p for p in sol.placeholder), body[end]]
             taken.append(sol)
         else:  # written by hand (the course page shows the convention this way), or a stale copy
             if title == sol.path:
@@ -209,7 +210,7 @@ def fold_listing(body: list[str], info: str, page: str = "") -> tuple[list[str],
         k = end + 1
     if taken and _RENUMBERED.search(info):
         log.warning(f"{page}: a listing with linenums or hl_lines holds exercise(s) "
-                    f"{', '.join(s.id for s in taken)}; their solutions are replaced by one line, so the numbers "
+                    f"{', '.join(s.id for s in taken)}; their solutions are replaced by two lines, so the numbers "
                     f"after it would be wrong: drop the option, or end the section before the exercise")
     return out, taken
 

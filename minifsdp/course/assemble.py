@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, NamedTuple
 
-from minifsdp.course.student import (PACKAGE, Exercise, _parse, copy_files, find_exercises, placeholder_line,
+from minifsdp.course.student import (PACKAGE, Exercise, _parse, copy_files, find_exercises, placeholder_lines,
                                      project_files, walk_files)
 
 # Files that decide which tests run and how: changed, they are reported, never used.
@@ -192,12 +192,25 @@ def _reindent(body: list[str], old: str, new: str) -> list[str]:
     return [new + line[len(old):] if line.startswith(old) and line.strip() else line for line in body]
 
 
+def _outdented(region: Region) -> int | None:
+    """The first line of the region's code that is indented less than its markers, or None. Such a line
+    would close the block the markers sit in, and what follows it would run outside the exercise: as
+    module-level code on import, or as a new definition of anything in the file."""
+    for k, line in enumerate(region.body):
+        if line.strip() and not line.startswith(region.indent):
+            return region.line + 1 + k
+    return None
+
+
 def _choose(ex: Exercise, found: list[Region], rel: Path) -> tuple[Region | None, str]:
-    if len(found) == 1:
-        return found[0], ""
     same_file = [r for r in found if r.path == rel]
-    if len(found) > 1 and len(same_file) == 1:
-        return same_file[0], ""
+    chosen = found[0] if len(found) == 1 else same_file[0] if len(found) > 1 and len(same_file) == 1 else None
+    if chosen is not None:
+        line = _outdented(chosen)
+        if line is None:
+            return chosen, ""
+        return None, (f"its code on {chosen.path}, line {line} is indented less than its markers: "
+                      f"code there would run outside the exercise")
     if found:
         places = ", ".join(f"{r.path}:{r.line}" for r in found)
         return None, f"its markers appear {len(found)} times ({places})"
@@ -250,7 +263,7 @@ def assemble(reference: str | Path, submission: str | Path, dest: str | Path,
             newline = lines[ex.begin - 1][len(lines[ex.begin - 1].rstrip("\r\n")):] or "\n"
             if region is None:
                 assembly.missing[ex.id] = "; ".join(notes.get(ex.id, [])) or why
-                body = [placeholder_line(ex, block.indent, newline)]
+                body = [line + newline for line in placeholder_lines(ex, block.indent)]
             else:
                 body = _reindent(region.body, region.indent, block.indent)
             lines[ex.begin:ex.end - 1] = body

@@ -255,6 +255,7 @@ def _score_chapter(ref: Reference, chapter: int, run: PytestRun) -> dict:
     results = run.report["results"] if run.report else {}
     broken = {e["id"]: e["cause"] for e in (run.report or {}).get("collect_errors", [])}
     passed, failed, skipped = [], [], []
+    seconds = {test_id: round(r.get("seconds", 0.0), 3) for test_id, r in results.items()}
     for test in ref.tests[chapter]:
         result = results.get(test.id)
         if test.skip is not None:
@@ -272,13 +273,16 @@ def _score_chapter(ref: Reference, chapter: int, run: PytestRun) -> dict:
         else:
             failed.append({"id": test.id, "cause": result["cause"] or result["outcome"]})
     return {"chapter": chapter, "score": len(passed), "max": len(passed) + len(failed), "status": status,
-            "seconds": round(run.seconds, 1), "passed": passed, "failed": failed, "skipped": skipped}
+            "seconds": round(run.seconds, 1), "passed": passed, "failed": failed, "skipped": skipped,
+            "test_seconds": {t: seconds[t] for t in passed + [f["id"] for f in failed] if t in seconds}}
 
 
 def _score_exercises(ref: Reference, graded: list[Exercise], chapters: dict[int, dict],
                      missing: dict[str, str]) -> list[dict]:
     outcome: dict[str, bool | None] = {}  # test id -> passed (None: skipped)
+    seconds: dict[str, float] = {}        # test id -> its set-up, call and tear-down, as pytest timed them
     for chapter in chapters.values():
+        seconds.update(chapter["test_seconds"])
         outcome.update({t: True for t in chapter["passed"]})
         outcome.update({t["id"]: False for t in chapter["failed"]})
         outcome.update({t["id"]: None for t in chapter["skipped"]})
@@ -290,7 +294,11 @@ def _score_exercises(ref: Reference, graded: list[Exercise], chapters: dict[int,
                      "from_submission": ex.id not in missing, "note": missing.get(ex.id),
                      "score": sum(outcome[t.id] for t in tests), "max": len(tests),
                      "mechanism": {"score": sum(outcome[t.id] for t in mechanism), "max": len(mechanism)},
-                     "tests": [t.id for t in tests], "failed": [t.id for t in tests if not outcome[t.id]]})
+                     "tests": [t.id for t in tests], "passed": [t.id for t in tests if outcome[t.id]],
+                     "failed": [t.id for t in tests if not outcome[t.id]],
+                     # a test marked with two exercises counts in both; a module fixture's set-up, in the test
+                     # that first asked for it
+                     "seconds": round(sum(seconds.get(t.id, 0.0) for t in tests), 1)})
     return rows
 
 

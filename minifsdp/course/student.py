@@ -134,14 +134,17 @@ def _parse(text: str, path: str | Path = "<string>") -> list[_Block]:
     return blocks
 
 
-def _placeholder(exercise: Exercise) -> str:
+def placeholder_lines(exercise: Exercise, indent: str = "") -> list[str]:
+    """What a student copy has between an exercise's markers: a raise of NotImplementedError naming the
+    exercise, over two lines, so that with its title it still fits the docs' 80-column listings."""
     # A JSON string is also a valid Python string literal: quotes and backslashes in a title are escaped.
-    return f"raise NotImplementedError({json.dumps(str(exercise), ensure_ascii=False)})"
+    return [f"{indent}raise NotImplementedError(",
+            f"{indent}    {json.dumps(str(exercise), ensure_ascii=False)})"]
 
 
 def placeholder_line(exercise: Exercise, indent: str, newline: str = "\n") -> str:
-    """The line a student copy has between an exercise's markers."""
-    return indent + _placeholder(exercise) + newline
+    """placeholder_lines as text: each line ended by `newline`."""
+    return "".join(line + newline for line in placeholder_lines(exercise, indent))
 
 
 def _newline(line: str) -> str:
@@ -160,9 +163,10 @@ def _strip(text: str, chosen: Callable[[Exercise], bool],
             continue
         # The markers stay: the student writes between them, and the grader reads what is there.
         begin, end = ex.begin - 1 - shift, ex.end - 1 - shift  # 0-based lines of the two markers
-        lines[begin + 1:end] = [placeholder_line(ex, block.indent, _newline(lines[begin]))]
+        placeholder = [line + _newline(lines[begin]) for line in placeholder_lines(ex, block.indent)]
+        lines[begin + 1:end] = placeholder
         removed.append((ex, begin + 2))
-        shift += end - begin - 2
+        shift += end - begin - 1 - len(placeholder)
     return "".join(lines), removed
 
 

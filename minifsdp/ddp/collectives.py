@@ -26,7 +26,7 @@ def all_reduce_by_parts(tensor: torch.Tensor, group=None) -> torch.Tensor:
     """
     n = comm.world_size(group)
     flat = tensor.reshape(-1)
-    # BEGIN EXERCISE 1.1: reduce-scatter + all-gather (pad to a multiple of N)
+    # BEGIN EXERCISE 1.1: all-reduce = reduce-scatter + all-gather (padded)
     chunk = -(-flat.numel() // n)  # ceil: every rank's chunk the same size
     padded = torch.zeros(chunk * n, dtype=flat.dtype, device=flat.device)
     padded[: flat.numel()] = flat
