@@ -2,7 +2,7 @@
 
     python bench/fsdp_vs_torch.py [--world-size 2] [--steps 8] [--warmup 2] [--layers 8] [--embd 448]
 
-Every strategy trains the same model (a tiny GPT of about 20M parameters with the defaults, one unit per
+Every strategy trains the same model (the site's "bench GPT" of about 20M parameters with the defaults, one unit per
 transformer Block for the sharded ones) on the same data with the same AdamW, in the same ranks (CPU +
 gloo), alternating step by step with a barrier before each timed step, so a slow moment of the machine
 hits all alike. The median step time leaves out the warm-up steps (the first also builds the optimizer
@@ -161,7 +161,7 @@ def main():
     model = TinyGPT(config)
     psi = sum(p.numel() for p in model.parameters())
     block = sum(p.numel() for p in model.blocks[0].parameters())
-    print(f"tiny GPT ({args.layers} layers, n_embd {args.embd}, {args.batch}x{config.block_size} tokens per rank), "
+    print(f"{'bench GPT' if (args.layers, args.embd) == (8, 448) else 'GPT'} ({args.layers} layers, n_embd {args.embd}, {args.batch}x{config.block_size} tokens per rank), "
           f"Ψ = {psi:,}, AdamW, world size {n}, CPU + gloo, median of {args.steps} steps after {args.warmup} "
           f"warm-up, rank 0\n")
     ref_t, ref_m = r0["times"][REFERENCE], r0["peaks"][REFERENCE]

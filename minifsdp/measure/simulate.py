@@ -488,7 +488,7 @@ def comm_table(result: dict) -> str:
 def report(result: dict) -> str:
     spec = result["spec"]
     steps = "the second of two steps" if spec["warmup"] else "one step"
-    return (f"### Rank 0 of {result['world_size']:,}: {describe(spec, result['psi'])}\n\n"
+    return (f"**Rank 0 of {result['world_size']:,}: {describe(spec, result['psi'])}**\n\n"
             f"Meta tensors under a fake process group; memory by MemoryMeter, bytes by comm.counting(); "
             f"{steps}; simulated in {result['seconds']:.1f} s.\n\n"
             f"{phase_table(result)}\n\n{checks_table(result)}\n\n{comm_table(result)}\n")
@@ -713,14 +713,14 @@ def zero_table(rows: list[list[str]]) -> str:
 
 
 def worked_examples_report(names=EXAMPLES) -> str:
-    parts = ["## The seeds' worked examples, by the simulator\n"]
+    parts = []
     if "fsdp-notes" in names:
         e = example_fsdp_notes()
         gb = 1e9
         (payload,) = e["payload_per_collective"]
         r = e["result"]
         parts += [
-            "### PyTorch FSDP notes: 1.6B-parameter fp32 blocks on 8 ranks\n",
+            "**PyTorch FSDP notes: 1.6B-parameter fp32 blocks on 8 ranks**\n",
             f"`python -m minifsdp simulate --example fsdp-notes`: a model of 10 blocks of {e['block_numel']:,} "
             f"parameters (each block one FSDP unit, padded to {e['block_padded']:,}) and a root unit of "
             f"{e['root_numel']:,} (embedding, final norm, head), fp32, FSDP with forward_prefetch=True and "
@@ -755,7 +755,7 @@ def worked_examples_report(names=EXAMPLES) -> str:
         psi = z[("bf16-master", "ddp")]["result"]["psi"]
         share = z[("bf16-master", "oss")]["result"]["stepped"] / (psi / 64)
         parts += [
-            "### The ZeRO paper: Ψ = 7.5B on 64 GPUs, mixed-precision Adam (K = 12)\n",
+            "**The ZeRO paper: Ψ = 7.5B on 64 GPUs, mixed-precision Adam (K = 12)**\n",
             f"`python -m minifsdp simulate --example zero-7.5b`: the paper's figure-1 model as a Llama-style "
             f"model of Ψ = {psi:,} (72 layers of dim 3072, Megatron-LM 8.3B's depth and width), rank 0 of 64, "
             f"one step; model states = parameters + gradients + optimizer state after the optimizer step (those "
@@ -781,7 +781,7 @@ def worked_examples_report(names=EXAMPLES) -> str:
     if "limit-all-gathers" in names:
         e = example_limit_all_gathers()
         parts += [
-            "### The FSDP paper: the rate limiter, at 7B on 64 ranks\n",
+            "**The FSDP paper: the rate limiter, at 7B on 64 ranks**\n",
             "`python -m minifsdp simulate --example limit-all-gathers`: 7b, bf16 compute, FSDP (one unit per "
             "decoder layer, BACKWARD_PRE), rank 0 of 64, with `DeviceLag`: a GPU as far behind the CPU as it "
             "can be, so that a unit's freed buffer stays allocated until the CPU waits for that free. "
@@ -829,8 +829,8 @@ def run_simulate(models=("7b",), world_sizes=(8,), strategies=("fsdp",), precisi
         write_report(report(result), markdown)
         return [result]
     results = sweep(models, world_sizes, strategies, **fields)
-    text = (f"### Rank 0's memory and bytes against N: {', '.join(models)}, {precision}, micro-batch {micro_batch} × "
-            f"{seq_len:,} tokens{', activation checkpointing' if checkpoint_activations else ''}\n\n"
+    text = (f"**Rank 0's memory and bytes against N: {', '.join(models)}, {precision}, micro-batch {micro_batch} × "
+            f"{seq_len:,} tokens{', activation checkpointing' if checkpoint_activations else ''}**\n\n"
             f"Meta tensors under a fake process group, the second of two steps. Model states: parameters + "
             f"gradients + optimizer state after the optimizer step (analytic: analytic.model_state_bytes); the "
             f"peak includes activations and ZeRO-3's unsharded units; bytes: comm.counting() (analytic: "

@@ -4,7 +4,7 @@
 
 `MixedPrecision(param_dtype=torch.bfloat16, _module_classes_to_ignore=(nn.LayerNorm,))` with an auto_wrap_policy
 makes every LayerNorm a unit of its own without mixed precision: its parameters are gathered, used and
-reduced in fp32, its input is cast to fp32 and its output back to bf16. The tiny GPT trains for a few AdamW
+reduced in fp32, its input is cast to fp32 and its output back to bf16. The default GPT trains for a few AdamW
 steps under fp32, all-bf16 and bf16 with the LayerNorms in fp32, under minifsdp's FSDP and torch's FSDP1
 (device_id=torch.device("cpu"), gloo), on rank 0 of N: the units, the bytes a step sends (minifsdp's counter;
 torch's collectives do not pass through it), the loss, and how far the parameters end from the fp32 run's.
@@ -92,7 +92,7 @@ def run_full_precision_report(world_size: int = 2, steps: int = 30, markdown: st
                      f"{m['seen']['weight']} / {m['seen']['input']} / {m['seen']['output']}",
                      f"{m['eval_loss']:.5f}", f"{max_abs_diff(m['params'], reference):.2e}"])
     same = max_abs_diff(res["minifsdp", POLICIES[2]]["params"], res["torch FSDP1", POLICIES[2]]["params"])
-    text = (f"The tiny GPT ({CONFIG.n_layer} blocks, blocks as units), AdamW, {steps} steps, rank 0 of "
+    text = (f"The default GPT ({CONFIG.n_layer} blocks, blocks as units), AdamW, {steps} steps, rank 0 of "
             f"{world_size}, CPU + gloo\n\n"
             + md_table(["FSDP: policy", "units", "bytes sent / step",
                         "first LayerNorm: weight / input / output", "loss after the steps, evaluated in fp32",

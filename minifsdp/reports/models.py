@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 
 from minifsdp.models import GPTConfig, TinyGPT
-from minifsdp.reports import checkpoints, fsdp2, options, overlap, parallel, precision, state_dict_memory, tour
+from minifsdp.reports import checkpoints, fsdp2, full_precision, options, overlap, parallel, precision, state_dict_memory, tour
 from minifsdp.reports.format import md_table, write_report
 
 # bench/fsdp_vs_torch.py builds its GPT from its command line; these are its defaults (--layers 8 --embd 448
@@ -22,7 +22,8 @@ BENCH_MODEL = GPTConfig(vocab_size=256, block_size=128, n_layer=8, n_head=8, n_e
 # name -> (the configuration, where the code defines it, where the docs use it)
 MODELS: dict[str, tuple[GPTConfig, str, str]] = {
     "default GPT": (GPTConfig(), "`GPTConfig()`'s defaults, minifsdp/models.py",
-                    "the tests of chapters 1 to 11; chapter 8's loss curves"),
+                    "the tests of chapters 1 to 11 (chapter 10's with one block); chapter 8 (loss "
+                    "curves, fp32 modules)"),
     "tour GPT": (tour.TOUR_MODEL, "`TOUR_MODEL`, tour.py",
                  "the tour; chapters 2 to 4 (memory), 3 (partition), 6 (units, phases)"),
     "states-heavy GPT": (tour.STATES_HEAVY_MODEL, "`STATES_HEAVY_MODEL`, tour.py",
@@ -44,6 +45,7 @@ MODELS: dict[str, tuple[GPTConfig, str, str]] = {
                        "chapter 12 (the parallelisms compared)"),
 }
 assert options.CONFIG == precision.CONFIG, "chapters 8 and 9 share the 4-block GPT"
+assert full_precision.CONFIG == GPTConfig(), "chapter 8's fp32 modules train the default GPT"
 
 
 def psi(config: GPTConfig) -> int:

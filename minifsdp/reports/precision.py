@@ -82,7 +82,7 @@ def plot_losses(curves: dict, path: str, world_size: int = 2) -> None:
     ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
     ax.yaxis.set_minor_formatter(NullFormatter())
     ax.grid(True, which="major")
-    ax.set_title(f"FSDP on {world_size} CPU ranks, tiny GPT, AdamW")
+    ax.set_title(f"FSDP on {world_size} CPU ranks, default GPT, AdamW")
     ax.legend()
     style.save(fig, path)
 
