@@ -1,8 +1,9 @@
 """Every page of the site as a reader sees it: headless Chromium, 1280 px and 390 px wide.
 
-The site is built once (tests/conftest.py's site_build where there is one), served on 127.0.0.1 by
-http.server in a thread, and each page is loaded in Chromium, driven over the DevTools protocol
-(--remote-debugging-port and a websocket). At each width a page fails on
+All of it runs in a process of its own, started as soon as the run is collected (tests/early.py,
+site_measurements below): the site is built, served on 127.0.0.1 by http.server in a thread, and each page
+is loaded in Chromium, driven over the DevTools protocol (--remote-debugging-port and a websocket); the
+tests read what it measured. At each width a page fails on
 - any console error or uncaught exception (a formula KaTeX cannot parse is one, see js/katex_render.js),
   or a formula left untypeset;
 - an image that did not load (naturalWidth 0);
@@ -31,6 +32,7 @@ writes the lists as they stand to site-screenshots/known_failures.py, in the for
 from __future__ import annotations
 
 import base64
+import contextlib
 import functools
 import importlib.util
 import http.server
@@ -40,6 +42,7 @@ import re
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -47,7 +50,7 @@ from pathlib import Path
 
 import pytest
 
-from test_site_links import built_site
+from early import Early
 
 REPO = Path(__file__).resolve().parents[1]
 SCREENSHOTS = REPO / "site-screenshots"
@@ -269,20 +272,28 @@ def _figure_text(img: dict, site: Path) -> tuple[str, float | None]:
     return name, points * dpi / 72 * img["width"] / img["naturalWidth"]
 
 
-@pytest.fixture(scope="module")
-def site(request, tmp_path_factory) -> Path:
-    return built_site(request, tmp_path_factory)
+def _missing() -> str | None:
+    """Why the pages cannot be measured here, or None."""
+    if _chromium() is None:
+        return "Chromium is not installed (.ci/setup installs it with apt-get where it can)"
+    for module, why in (("websocket", "websocket-client is not installed (the test extra has it)"),
+                        ("mkdocs", "mkdocs is not installed"), ("material", "mkdocs-material is not installed")):
+        if importlib.util.find_spec(module) is None:
+            return why
+    return None
 
 
-@pytest.fixture(scope="module")
-def server(site):
+@contextlib.contextmanager
+def _serve(site: Path):
     handler = functools.partial(_QuietHandler, directory=str(site))
     httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
     thread.start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}/"
-    httpd.shutdown()
-    httpd.server_close()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}/"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
 
 
 class _QuietHandler(http.server.SimpleHTTPRequestHandler):
@@ -290,12 +301,10 @@ class _QuietHandler(http.server.SimpleHTTPRequestHandler):
         pass
 
 
-@pytest.fixture(scope="module")
-def browser():
+@contextlib.contextmanager
+def _browser():
+    """Headless Chromium, one page target driven over DevTools."""
     exe = _chromium()
-    if exe is None:
-        pytest.skip("Chromium is not installed (.ci/setup installs it with apt-get where it can)")
-    pytest.importorskip("websocket", reason="websocket-client is not installed (the test extra has it)")
     profile = tempfile.mkdtemp(prefix="minifsdp-chromium-")
     proc = subprocess.Popen(
         [exe, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run",
@@ -307,7 +316,7 @@ def browser():
         port_file, deadline = Path(profile) / "DevToolsActivePort", time.monotonic() + 30
         while not (port_file.is_file() and port_file.read_text().strip()):
             if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"Chromium did not start its DevTools server ({exe})")
+                raise RuntimeError(f"Chromium did not start its DevTools server ({exe})")
             time.sleep(0.05)
         port = int(port_file.read_text().split()[0])
         with socket.create_connection(("127.0.0.1", port), timeout=10):
@@ -342,8 +351,7 @@ def _screenshot(tools: DevTools, width: int, height: int, path: Path) -> Path:
     return path
 
 
-@pytest.fixture(scope="module")
-def measured(site, server, browser) -> dict[tuple[str, int], dict]:
+def _measure(site: Path, server: str, browser: DevTools) -> dict[tuple[str, int], dict]:
     """Each page at each width, loaded once: what it reported, its console errors, its figures' text."""
     SCREENSHOTS.mkdir(exist_ok=True)
     shoot = os.environ.get("MINIFSDP_SCREENSHOTS", "0") != "0"
@@ -373,6 +381,43 @@ def measured(site, server, browser) -> dict[tuple[str, int], dict]:
     (SCREENSHOTS / "measurements.json").write_text(json.dumps(summary, indent=1), encoding="utf-8")
     (SCREENSHOTS / "known_failures.py").write_text(_known_lists(out), encoding="utf-8")
     return out
+
+
+
+
+def site_measurements() -> dict:
+    """The whole measurement, run by tests/early.py in a process of its own as soon as the run is
+    collected: a build of the site, served, and every page loaded at each width. It needs nothing from
+    the rest of the run, and a browser leaves a core idle much of the time (about a minute of the suite's
+    time here, when the tests waited for it instead)."""
+    why = _missing()
+    if why is not None:
+        return {"skip": why}
+    with tempfile.TemporaryDirectory(prefix="minifsdp-site-") as tmp:
+        site = Path(tmp) / "site"
+        out = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
+                             cwd=REPO, capture_output=True, text=True, timeout=600,
+                             env={**os.environ, "NO_MKDOCS_2_WARNING": "1", "MINIFSDP_SITE": "public"})
+        if out.returncode != 0:
+            raise RuntimeError(f"the site did not build:\n{out.stdout[-3000:]}{out.stderr[-3000:]}")
+        with _serve(site) as server, _browser() as browser:
+            return {"pages": _measure(site, server, browser)}
+
+
+MEASUREMENTS = Early("test_site_browser", "site_measurements")
+
+
+def start_early(items) -> None:
+    if any("measured" in getattr(item, "fixturenames", ()) for item in items):
+        MEASUREMENTS.start()
+
+
+@pytest.fixture(scope="module")
+def measured() -> dict[tuple[str, int], dict]:
+    result = MEASUREMENTS.result()
+    if "skip" in result:
+        pytest.skip(result["skip"])
+    return result["pages"]
 
 
 @pytest.mark.parametrize("page_id, path, width", _cases("loads"))
