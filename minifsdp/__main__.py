@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="minifsdp", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
-    tour = sub.add_parser("tour", help="train the tiny GPT under every strategy and compare them")
+    tour = sub.add_parser("tour", help="train the tour GPT under every strategy and compare them")
     tour.add_argument("--world-size", type=int, default=2)
     tour.add_argument("--steps", type=int, default=5)
     tour.add_argument("--strategies", nargs="+", default=None, help="a few of them (default: all)")
@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     memory.add_argument("--plot", default="ddp_memory.svg")
     memory.add_argument("--markdown", default=None)
     memory.add_argument("--model", default="tour", choices=["tour", "states-heavy"],
-                        help="the tiny GPT, or a GPT whose model states outweigh its activations (chapter 4)")
+                        help="the tour GPT, or a GPT whose model states outweigh its activations (chapter 4)")
     memory.add_argument("--bars", default="after_step", choices=["after_step", "peak"],
                         help="plot the states after the step (peak as a dot), or memory by category at the peak")
 
