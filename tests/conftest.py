@@ -2,8 +2,6 @@
 launches every case of a world size in one go); each test then only looks at the results."""
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -56,17 +54,16 @@ def site_build(tmp_path_factory):
     """The docs site, built at most once per flavour in a test run (a build takes tens of seconds):
     site_build("public") as published, site_build("student") with MINIFSDP_SITE=student (no solutions).
     Tests that need it skip when mkdocs, mkdocs-material or pymdown-extensions is missing."""
-    repo = Path(__file__).resolve().parents[1]
     built: dict[str, SiteBuild] = {}
 
     def build(flavour: str = "public") -> SiteBuild:
         for needed in ("mkdocs", "material", "pymdownx"):
             pytest.importorskip(needed)
         if flavour not in built:
+            from test_site_links import mkdocs_build
+
             site = tmp_path_factory.mktemp(f"site_{flavour}") / "site"
-            env = dict(os.environ, NO_MKDOCS_2_WARNING="1", MINIFSDP_SITE=flavour)
-            out = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
-                                 check=False, cwd=repo, env=env, capture_output=True, text=True, timeout=300)
+            out = mkdocs_build(site, flavour, timeout=300)
             built[flavour] = SiteBuild(flavour, site, out.returncode, out.stdout, out.stderr)
         return built[flavour]
 

@@ -42,7 +42,6 @@ import re
 import shutil
 import socket
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -51,6 +50,7 @@ from pathlib import Path
 import pytest
 
 from early import Early
+from test_site_links import mkdocs_build
 
 REPO = Path(__file__).resolve().parents[1]
 SCREENSHOTS = REPO / "site-screenshots"
@@ -383,21 +383,18 @@ def _measure(site: Path, server: str, browser: DevTools) -> dict[tuple[str, int]
     return out
 
 
-
-
 def site_measurements() -> dict:
     """The whole measurement, run by tests/early.py in a process of its own as soon as the run is
     collected: a build of the site, served, and every page loaded at each width. It needs nothing from
     the rest of the run, and a browser leaves a core idle much of the time (about a minute of the suite's
-    time here, when the tests waited for it instead)."""
+    time here, when the tests waited for it instead). The build is its own, not the run's shared one
+    (conftest.py's site_build): it starts before any test has built that."""
     why = _missing()
     if why is not None:
         return {"skip": why}
     with tempfile.TemporaryDirectory(prefix="minifsdp-site-") as tmp:
         site = Path(tmp) / "site"
-        out = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
-                             cwd=REPO, capture_output=True, text=True, timeout=600,
-                             env={**os.environ, "NO_MKDOCS_2_WARNING": "1", "MINIFSDP_SITE": "public"})
+        out = mkdocs_build(site)
         if out.returncode != 0:
             raise RuntimeError(f"the site did not build:\n{out.stdout[-3000:]}{out.stderr[-3000:]}")
         with _serve(site) as server, _browser() as browser:

@@ -25,6 +25,14 @@ REPO = Path(__file__).resolve().parents[1]
 KATEX = REPO / "chapters" / "vendor" / "katex" / "katex.min.js"
 
 
+def mkdocs_build(site: Path, flavour: str = "public", timeout: float = 600) -> subprocess.CompletedProcess:
+    """`mkdocs build --strict` of this project into `site`: the public site, or (flavour "student") the one
+    without solutions (chapters/hooks/solutions.py)."""
+    return subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
+                          cwd=REPO, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "NO_MKDOCS_2_WARNING": "1", "MINIFSDP_SITE": flavour})
+
+
 def built_site(request, tmp_path_factory) -> Path:
     """The public site: tests/conftest.py's site_build (one build per test run) where there is one, else a
     build of this module's own."""
@@ -39,9 +47,7 @@ def built_site(request, tmp_path_factory) -> Path:
     for needed in ("mkdocs", "material", "pymdownx"):
         pytest.importorskip(needed)
     site = tmp_path_factory.mktemp("site") / "site"
-    out = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
-                         cwd=REPO, capture_output=True, text=True, timeout=600,
-                         env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
+    out = mkdocs_build(site)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return site
 

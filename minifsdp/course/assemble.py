@@ -204,7 +204,7 @@ def _outdented(region: Region) -> int | None:
 
 def _choose(ex: Exercise, found: list[Region], rel: Path) -> tuple[Region | None, str]:
     same_file = [r for r in found if r.path == rel]
-    chosen = found[0] if len(found) == 1 else same_file[0] if len(found) > 1 and len(same_file) == 1 else None
+    chosen = found[0] if len(found) == 1 else (same_file[0] if len(same_file) == 1 else None)
     if chosen is not None:
         line = _outdented(chosen)
         if line is None:
@@ -263,7 +263,7 @@ def assemble(reference: str | Path, submission: str | Path, dest: str | Path,
             newline = lines[ex.begin - 1][len(lines[ex.begin - 1].rstrip("\r\n")):] or "\n"
             if region is None:
                 assembly.missing[ex.id] = "; ".join(notes.get(ex.id, [])) or why
-                body = [line + newline for line in placeholder_lines(ex, block.indent)]
+                body = placeholder_lines(ex, block.indent, newline)
             else:
                 body = _reindent(region.body, region.indent, block.indent)
             lines[ex.begin:ex.end - 1] = body

@@ -255,7 +255,6 @@ def _score_chapter(ref: Reference, chapter: int, run: PytestRun) -> dict:
     results = run.report["results"] if run.report else {}
     broken = {e["id"]: e["cause"] for e in (run.report or {}).get("collect_errors", [])}
     passed, failed, skipped = [], [], []
-    seconds = {test_id: round(r.get("seconds", 0.0), 3) for test_id, r in results.items()}
     for test in ref.tests[chapter]:
         result = results.get(test.id)
         if test.skip is not None:
@@ -274,7 +273,8 @@ def _score_chapter(ref: Reference, chapter: int, run: PytestRun) -> dict:
             failed.append({"id": test.id, "cause": result["cause"] or result["outcome"]})
     return {"chapter": chapter, "score": len(passed), "max": len(passed) + len(failed), "status": status,
             "seconds": round(run.seconds, 1), "passed": passed, "failed": failed, "skipped": skipped,
-            "test_seconds": {t: seconds[t] for t in passed + [f["id"] for f in failed] if t in seconds}}
+            "test_seconds": {t: round(results[t]["seconds"], 3) for t in passed + [f["id"] for f in failed]
+                             if t in results}}
 
 
 def _score_exercises(ref: Reference, graded: list[Exercise], chapters: dict[int, dict],

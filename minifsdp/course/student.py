@@ -134,17 +134,18 @@ def _parse(text: str, path: str | Path = "<string>") -> list[_Block]:
     return blocks
 
 
-def placeholder_lines(exercise: Exercise, indent: str = "") -> list[str]:
+def placeholder_lines(exercise: Exercise, indent: str = "", newline: str = "") -> list[str]:
     """What a student copy has between an exercise's markers: a raise of NotImplementedError naming the
-    exercise, over two lines, so that with its title it still fits the docs' 80-column listings."""
+    exercise, over two lines (each ended by `newline`), so that with its title it still fits the docs'
+    80-column listings."""
     # A JSON string is also a valid Python string literal: quotes and backslashes in a title are escaped.
-    return [f"{indent}raise NotImplementedError(",
-            f"{indent}    {json.dumps(str(exercise), ensure_ascii=False)})"]
+    return [f"{indent}raise NotImplementedError({newline}",
+            f"{indent}    {json.dumps(str(exercise), ensure_ascii=False)}){newline}"]
 
 
 def placeholder_line(exercise: Exercise, indent: str, newline: str = "\n") -> str:
-    """placeholder_lines as text: each line ended by `newline`."""
-    return "".join(line + newline for line in placeholder_lines(exercise, indent))
+    """placeholder_lines as one text."""
+    return "".join(placeholder_lines(exercise, indent, newline))
 
 
 def _newline(line: str) -> str:
@@ -163,7 +164,7 @@ def _strip(text: str, chosen: Callable[[Exercise], bool],
             continue
         # The markers stay: the student writes between them, and the grader reads what is there.
         begin, end = ex.begin - 1 - shift, ex.end - 1 - shift  # 0-based lines of the two markers
-        placeholder = [line + _newline(lines[begin]) for line in placeholder_lines(ex, block.indent)]
+        placeholder = placeholder_lines(ex, block.indent, _newline(lines[begin]))
         lines[begin + 1:end] = placeholder
         removed.append((ex, begin + 2))
         shift += end - begin - 1 - len(placeholder)
