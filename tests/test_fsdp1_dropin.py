@@ -442,3 +442,34 @@ def test_an_optimizer_built_before_wrapping_is_caught_without_a_global_hook(rank
     res = ranks[n][0]
     assert "build the optimizer after wrapping" in res["stale optimizer"]
     assert res["global step hooks"] == 0
+
+
+def summon_inner_state_dict(fsdp_module: str) -> dict[str, torch.Tensor]:
+    """Two units beside the root, one of them frozen; after steps that prefetch in backward (the default
+    BACKWARD_PRE), the wrapped module's own state_dict() inside summon_full_params, as a script may ask for
+    it. Each unit's link to the unit whose backward comes next must not make that unit its submodule:
+    the frozen unit's state_dict() would walk into the other one's."""
+    from torch.distributed.fsdp.wrap import lambda_auto_wrap_policy
+
+    FSDP = importlib.import_module(fsdp_module).FullyShardedDataParallel
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 7), nn.Linear(7, 3))
+    net[2].requires_grad_(False)
+    policy = functools.partial(lambda_auto_wrap_policy, lambda_fn=lambda m: m is net[0] or m is net[2])
+    model = FSDP(net, auto_wrap_policy=policy, device_id=torch.device("cpu"))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for step in range(3):  # the first backward records the order; the later ones prefetch by it
+        x = torch.randn(4, 5, generator=torch.Generator().manual_seed(10 * step + dist.get_rank()))
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    with FSDP.summon_full_params(model):
+        return {k: v.detach().clone() for k, v in model.module.state_dict().items()}
+
+
+def test_the_wrapped_modules_state_dict_inside_summon_full_params_is_torchs():
+    ours = launch(summon_inner_state_dict, world_size=2, args=("minifsdp.fsdp",), device="cpu")
+    theirs = launch(summon_inner_state_dict, world_size=2, args=("torch.distributed.fsdp",), device="cpu")
+    for mine, torchs in zip(ours, theirs):
+        assert mine.keys() == torchs.keys()
+        assert max_abs_diff(mine, torchs) <= 1e-6  # FSDP1 packs its flat buffer unaligned: see the docstring

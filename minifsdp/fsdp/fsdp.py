@@ -92,6 +92,17 @@ class FullyShardedDataParallel(nn.Module):
     """
 
     _fsdp_unit = True  # the walks of wrap.py stop here: this module's subtree is this unit's
+    # Links from a unit to other units. nn.Module would register a module assigned
+    # to an attribute as a submodule: modules(), state_dict() and units() of this
+    # unit would then walk into the other one (a root pointing down, a unit
+    # pointing up is a cycle). So they are kept as plain attributes.
+    _LINKS = frozenset({"_root_unit", "_next_in_backward"})
+
+    def __setattr__(self, name, value):
+        if name in self._LINKS:
+            self.__dict__[name] = value
+        else:
+            super().__setattr__(name, value)
 
     # --8<-- [start:init]
     def __init__(
