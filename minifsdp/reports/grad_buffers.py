@@ -41,7 +41,9 @@ def unit_gradient_buffers() -> dict:
     The full parameters are watched as a category of their own ("unsharded"), so that "other" holds the
     gradients (and the one-row activations). Its highest point is read twice: up to the end of the split's
     backward (a hook on that autograd node), and from the moment the runtime has issued the reduce-scatter
-    (a gradient hook registered after the runtime's own) to the end of backward, which waits for it."""
+    (a gradient hook registered after the runtime's own) to the moment its wait returns, just before the
+    shard is copied out. Not later: gloo's worker thread drops its buffer a moment after waking the
+    waiter, and now and then the copy-out comes first, so a later reading would change from run to run."""
     model = FullyShardedDataParallel(one_unit(), backward_prefetch=None)
     flat = model.flat_params[0]
     meter = MemoryMeter(model, categories=CATEGORIES + ("unsharded",))
@@ -51,13 +53,17 @@ def unit_gradient_buffers() -> dict:
     def concat_done(grad_inputs, grad_outputs):  # the flat gradient exists; the pieces are still alive
         peaks["concat"] = meter.category_peak["other"]
 
+    def waited(grad_shard, copy_out=flat.grad_for_optimizer):  # called once the wait returns
+        peaks["reduce_scatter"] = meter.category_peak["other"]
+        return copy_out(grad_shard)
+
+    flat.grad_for_optimizer = waited
     flat.param.register_post_accumulate_grad_hook(lambda p: meter.reset_peak())  # runs after the runtime's
     with meter:
         loss = _loss(model)
         flat.concat_node.register_hook(concat_done)  # the views this forward used were cut by this node
         meter.reset_peak()
         loss.backward()
-        peaks["reduce_scatter"] = meter.category_peak["other"]
         kept = meter.live()["grads"]
     meter.close()
     return {"numel": flat.numel, "padded": flat.shard_numel * comm.world_size(), "kept": kept, **peaks}
