@@ -247,12 +247,11 @@ class FullyShardedDataParallel(nn.Module):
                 flat.param.register_post_accumulate_grad_hook(
                     lambda p, flat=flat: self._post_backward(flat))
         # The root is the outermost unit; it is built last and claims every
-        # unit inside it. (Kept in __dict__, not as an attribute nn.Module
-        # would register: a submodule pointing up makes a cycle.)
-        self.__dict__["_root_unit"] = self
+        # unit inside it (a link, never a submodule: _LINKS above)
+        self._root_unit = self
         for unit in module.modules():
             if isinstance(unit, FullyShardedDataParallel):
-                unit.__dict__["_root_unit"] = self
+                unit._root_unit = self
         # one per root
         self._limiter = AllGatherLimiter() if limit_all_gathers else None
         for name, unit in self.named_units():
