@@ -57,11 +57,10 @@ def site_build(tmp_path_factory):
     built: dict[str, SiteBuild] = {}
 
     def build(flavour: str = "public") -> SiteBuild:
-        for needed in ("mkdocs", "material", "pymdownx"):
-            pytest.importorskip(needed)
-        if flavour not in built:
-            from test_site_links import mkdocs_build
+        from test_site_links import mkdocs_build, skip_without_site_tools
 
+        skip_without_site_tools()
+        if flavour not in built:
             site = tmp_path_factory.mktemp(f"site_{flavour}") / "site"
             out = mkdocs_build(site, flavour, timeout=300)
             built[flavour] = SiteBuild(flavour, site, out.returncode, out.stdout, out.stderr)

@@ -8,13 +8,13 @@ import math
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from minifsdp.measure import analytic
 from minifsdp.measure.analytic import PRESETS, ModelShape, estimate, gpt_shape, param_count
+from test_site_links import built_site
 
 REPO = Path(__file__).resolve().parents[1]
 JS = REPO / "chapters" / "js" / "memory_calculator.js"
@@ -202,12 +202,10 @@ def shown_total(dom: str) -> str:
 
 
 @pytest.mark.skipif(BROWSER is None, reason="no chromium: the page is not run in a browser (apt-get install chromium)")
-def test_the_page_runs_in_a_browser(tmp_path):
-    """The built page mounts the calculator with no console error, and what it shows is estimate()'s."""
-    pytest.importorskip("material")
-    site = tmp_path / "site"
-    subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)], cwd=REPO,
-                   capture_output=True, timeout=120, check=True)
+def test_the_page_runs_in_a_browser(request, tmp_path_factory, tmp_path):
+    """The built page (the run's one build of the site) mounts the calculator with no console error, and
+    what it shows is estimate()'s."""
+    site = built_site(request, tmp_path_factory)
     dom, log = dump_dom((site / "13_calculator" / "index.html").as_uri())
     assert "Uncaught" not in log and "mc-error" not in dom, log[-2000:]
     assert dom.count('data-mounted="1"') == 1

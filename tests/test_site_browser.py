@@ -50,7 +50,7 @@ from pathlib import Path
 import pytest
 
 from early import Early
-from test_site_links import mkdocs_build
+from test_site_links import SITE_TOOLS, mkdocs_build
 
 REPO = Path(__file__).resolve().parents[1]
 SCREENSHOTS = REPO / "site-screenshots"
@@ -276,10 +276,9 @@ def _missing() -> str | None:
     """Why the pages cannot be measured here, or None."""
     if _chromium() is None:
         return "Chromium is not installed (.ci/setup installs it with apt-get where it can)"
-    for module, why in (("websocket", "websocket-client is not installed (the test extra has it)"),
-                        ("mkdocs", "mkdocs is not installed"), ("material", "mkdocs-material is not installed")):
+    for module, package in {"websocket": "websocket-client", **SITE_TOOLS}.items():
         if importlib.util.find_spec(module) is None:
-            return why
+            return f"{package} is not installed (the test extra has it)"
     return None
 
 

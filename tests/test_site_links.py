@@ -25,6 +25,16 @@ REPO = Path(__file__).resolve().parents[1]
 KATEX = REPO / "chapters" / "vendor" / "katex" / "katex.min.js"
 
 
+# What a build of the site needs installed, by the name each is imported as, with what to install.
+SITE_TOOLS = {"mkdocs": "mkdocs", "material": "mkdocs-material", "pymdownx": "pymdown-extensions"}
+
+
+def skip_without_site_tools() -> None:
+    """Skip the calling test where the site cannot be built: a tool of SITE_TOOLS is not installed."""
+    for module, package in SITE_TOOLS.items():
+        pytest.importorskip(module, reason=f"{package} is not installed: the site cannot be built here")
+
+
 def mkdocs_build(site: Path, flavour: str = "public", timeout: float = 600) -> subprocess.CompletedProcess:
     """`mkdocs build --strict` of this project into `site`: the public site, or (flavour "student") the one
     without solutions (chapters/hooks/solutions.py)."""
@@ -44,8 +54,7 @@ def built_site(request, tmp_path_factory) -> Path:
         out = build("public")
         assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
         return out.site
-    for needed in ("mkdocs", "material", "pymdownx"):
-        pytest.importorskip(needed)
+    skip_without_site_tools()
     site = tmp_path_factory.mktemp("site") / "site"
     out = mkdocs_build(site)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
