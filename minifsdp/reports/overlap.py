@@ -78,8 +78,7 @@ def record_timelines(modes=tuple(MODES), config: GPTConfig = TIMELINE_MODEL, ban
         walls = comm.all_gather_object([w for w, _ in recorded])  # pick the same step on every rank
         pick = sorted(range(steps), key=lambda k: max(w[k] for w in walls))[steps // 2]
         wall, tl = recorded[pick]
-        spans = tl.spans()
-        out[mode] = {"spans": spans, "wall": wall, "hidden": hidden_fraction(spans),
+        out[mode] = {"spans": tl.spans(), "wall": wall,
                      "issue_order": [f"{e.kind} {e.tag.split(' ', 1)[1]}" for e in tl.counter.events]}
     return out
 
@@ -95,7 +94,7 @@ def run_timeline_report(world_size: int = 2, modes=tuple(MODES), bandwidth: floa
         summary[mode] = {"step": f"{1e3 * statistics.median(r['wall'] for r in per_rank):.1f} ms",
                          "comm": f"{1e3 * lane_time(spans, 'all_gather', 'reduce_scatter'):.1f} ms",
                          "wait": f"{1e3 * lane_time(spans, 'wait'):.1f} ms",
-                         "hidden": f"{100 * per_rank[0]['hidden']:.0f}%"}
+                         "hidden": f"{100 * hidden_fraction(spans):.0f}%"}
     lines = ["| mode | step time | communication | blocked waiting | hidden behind compute |", "|---|---|---|---|---|"]
     lines += [f"| {mode} | {m['step']} | {m['comm']} | {m['wait']} | {m['hidden']} |" for mode, m in summary.items()]
     text = (f"One FSDP step (AdamW, blocks as units, reshard after forward) of a GPT with "
