@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from minifsdp import RankFailedError, comm, launch
 from minifsdp.ddp import DistributedDataParallel
+from minifsdp.distributed import failures, recording
 from minifsdp.distributed.comm import NoProcessGroupError
 from minifsdp.distributed.launch import rank_pool, threads_per_rank
 from minifsdp.models import ToyModel
@@ -146,8 +147,8 @@ def state_seen():
     """What a work finds when it starts (its process aside)."""
     return {"rank": dist.get_rank(), "backend": dist.get_backend(), "threads": torch.get_num_threads(),
             "dtype": str(torch.get_default_dtype()), "random": torch.rand(2).tolist(),
-            "groups": len(dist.distributed_c10d._world.pg_map), "counters": len(comm._active),
-            "issued": dict(comm._issued), "named": len(comm._group_names), "env": "LEFT_BY_A_WORK" in os.environ}
+            "groups": len(dist.distributed_c10d._world.pg_map), "counters": len(recording._active),
+            "issued": dict(failures._issued), "named": len(comm._group_names), "env": "LEFT_BY_A_WORK" in os.environ}
 
 
 def pid_and_state():

@@ -330,11 +330,12 @@ def test_a_throttled_wait_ends_when_the_link_delivers_not_later():
     import time as clock
 
     from minifsdp.distributed.comm import Handle
+    from minifsdp.distributed.recording import Record
 
     class SlowWork:
         def wait(self):
             clock.sleep(0.2)
 
     start = clock.perf_counter()
-    Handle(SlowWork(), [], not_before=start + 0.3, tag="throttled").wait()
+    Handle(SlowWork(), Record(tag="throttled", not_before=start + 0.3)).wait()
     assert 0.3 <= clock.perf_counter() - start < 0.45

@@ -19,12 +19,11 @@ group's bytes apart (`counter.by_group["dp"]`), under the group's name (see `nam
 which names each dimension's group after the dimension). Ranks passed to a collective (`src`, `dst`) are
 ranks *within* the group, as the algorithms think of them: owner 1 of a group of ranks {2, 3} is rank 3.
 
-A counter can also record each collective's issue and completion times, and the time this rank spent
-blocked waiting for one, for timelines (chapter 7). On a GPU those times are CUDA events, read only once
-the timeline ends: NCCL returns from a collective, and completes its future, as soon as the kernels are
-queued, and a wait blocks a stream, not the CPU, so only the GPU can say when the bytes moved and who
-waited (cuda_timing.py). A collective that fails raises an error that says where every rank was
-(failures.py). For teaching, `throttled(...)` makes the network slow enough to see on a laptop.
+The counting itself lives in recording.py (re-exported here: `comm.counting`, `comm.CommCounter`), which
+can also record each collective's issue and completion times, and the time this rank spent blocked
+waiting for one, for timelines (chapter 7); on a GPU with CUDA events (cuda_timing.py). For teaching,
+`comm.throttled(...)` (recording.py too) makes the network slow enough to see on a laptop. A collective
+that fails raises an error that says where every rank was (failures.py).
 
 Versions: the declared minimum torch (pyproject.toml) has every call made here except the single-tensor
 collectives' newest names, which are looked up where they are made (see `_all_gather_single`).
@@ -32,21 +31,16 @@ collectives' newest names, which are looked up where they are made (see `_all_ga
 
 from __future__ import annotations
 
-import collections
-import contextlib
-import functools
-import math
 import pickle
-import time
-from collections import defaultdict
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from minifsdp import events
-from minifsdp.distributed import cuda_timing
-from minifsdp.distributed.failures import collective_error
+from minifsdp.distributed import failures, recording
+# The counters and the simulated link live in recording.py; callers reach them here, through the one door
+# (comm.counting(), comm.throttled(...)).
+from minifsdp.distributed.recording import CommCounter, CommEvent, Wait, counting, throttled  # noqa: F401
 
 ReduceOp = dist.ReduceOp
 
@@ -108,195 +102,50 @@ def ring_bytes(kind: str, nbytes: int, n: int) -> float:
 # --8<-- [end:ring_bytes]
 
 
-@dataclass
-class CommEvent:
-    kind: str
-    nbytes: float  # logical bytes this rank sends
-    issued: float  # time.perf_counter() when the call was made
-    # ... and when it completed: the backend's own report where it gives one (NCCL, most of gloo), else the
-    # throttled link's end, else the moment a wait() returned (later than the truth if nobody waited at once)
-    done: float = float("nan")
-    tag: str = ""
-    start: float = float("nan")  # when the (simulated) link began moving it: after the collectives ahead of it
-    group: str = "world"         # the process group's name (group_name)
-    # on a GPU, (start, end) CUDA events in place of the host's `start` and `done`, which there only say when
-    # the CPU queued the work: start once the collectives ahead of it in its group are done and its input
-    # is ready, end once it is complete
-    cuda: tuple | None = None
-
-
-@dataclass
-class Wait:
-    """This rank was blocked from `start` to `end`, waiting for the collective tagged `tag`."""
-    start: float
-    end: float
-    tag: str
-    # on a GPU, (arrival, done) CUDA events: a wait blocks the stream, not the CPU, from the moment the stream
-    # reaches it (arrival) until the collective is done -- not at all if it was done by then
-    cuda: tuple | None = None
-
-
-@dataclass
-class CommCounter:
-    """Bytes sent and calls made by this rank, per collective kind (all groups together), and per group."""
-    bytes: dict = field(default_factory=lambda: defaultdict(float))
-    calls: dict = field(default_factory=lambda: defaultdict(int))
-    by_group: dict = field(default_factory=lambda: defaultdict(functools.partial(defaultdict, float)))  # name -> kind -> bytes
-    record: bool = False
-    events: list = field(default_factory=list)   # CommEvent per collective, in issue order (record=True)
-    waits: list = field(default_factory=list)    # Wait per blocking wait (record=True)
-    copies: dict = field(default_factory=lambda: defaultdict(float))  # host <-> device bytes (copy_to)
-
-    def total(self) -> float:
-        return sum(self.bytes.values())
-
-
-_active: list[CommCounter] = []
-
-
-@contextlib.contextmanager
-def counting(record: bool = False):
-    """Count (and optionally record) every collective this rank makes inside the block. Counters nest."""
-    counter = CommCounter(record=record)
-    _active.append(counter)
-    try:
-        yield counter
-    finally:
-        _active.remove(counter)
-
-
-# --8<-- [start:throttle]
-@dataclass
-class _Link:
-    """A simulated network: one channel, collectives cross it one after
-    another in issue order (as on one NCCL stream), each taking latency +
-    bytes sent / bandwidth."""
-    bandwidth: float  # bytes per second one rank sends
-    latency: float    # seconds per collective
-    free_at: float = 0.0
-
-    def schedule(self, issued: float, nbytes: float) -> tuple[float, float]:
-        start = max(issued, self.free_at)
-        self.free_at = start + self.latency + nbytes / self.bandwidth
-        return start, self.free_at
-
-
-_link: _Link | None = None
-
-
-@contextlib.contextmanager
-def throttled(bandwidth: float = 50e6, latency: float = 1e-3):
-    """Inside the block, no collective completes before a slow simulated
-    network would have carried it: `bandwidth` bytes/s per rank, `latency`
-    seconds each. For timelines on a laptop only -- it changes when a wait
-    returns, never a value."""
-    global _link
-    if bandwidth <= 0 or latency < 0:
-        raise ValueError(
-            f"throttled(bandwidth={bandwidth}, latency={latency}): "
-            f"need bandwidth > 0, latency >= 0")
-    outer, _link = _link, _Link(bandwidth, latency)
-    try:
-        yield _link
-    finally:
-        _link = outer
-# --8<-- [end:throttle]
-
-
+# The Handle lives here, beside the collectives that return it, because its wait() is the backend's wait
+# and, should that fail, the error that says where this rank was (failures.py). What a wait means to the
+# counters -- how long this rank was blocked, the throttled link's delivery -- is the record's business
+# (recording.py), which wraps the backend's wait.
 class Handle:
     """What an async collective returns: wait() blocks until it is done (and records how long it blocked)."""
 
-    def __init__(self, work, events, not_before: float, tag: str, cuda_done=None, where: str = ""):
-        self._work, self._events, self._not_before, self._tag = work, events, not_before, tag
-        self._cuda_done = cuda_done  # on a GPU, while recording: the event that marks the collective done
-        self._where = where          # "all_gather 'unshard blocks.1', collective #12 of group 'world'"
+    def __init__(self, work, record: recording.Record, where: str = ""):
+        self._work, self._record = work, record
+        self._where = where  # "all_gather 'unshard blocks.1', collective #12 of group 'world'"
 
     def wait(self) -> None:
-        arrival = cuda_timing.stamp() if self._cuda_done is not None and self._work is not None else None
-        t0 = time.perf_counter()
-        if self._work is not None:
-            try:
-                self._work.wait()
-            except RuntimeError as e:  # a timeout, or a peer gone: say which collective this rank was in
-                raise collective_error(self._where, rank(), world_size(), e) from e
-            self._work = None
-        now = time.perf_counter()    # (after the real collective: the link's delay runs from its issue, not ours)
-        if self._not_before > now:   # the simulated network has not delivered it yet
-            time.sleep(self._not_before - now)
-        t1 = time.perf_counter()
-        for e in self._events:
-            if math.isnan(e.done):  # no completion seen by the backend's callback: waiting is when we know
-                e.done = t1
-        for c in _active:
-            if c.record and (arrival is not None or t1 > t0):
-                cuda = None if arrival is None else (arrival, self._cuda_done)
-                c.waits.append(Wait(t0, t1, self._tag, cuda=cuda))
+        with self._record.waiting(pending=self._work is not None):
+            if self._work is not None:
+                try:
+                    self._work.wait()
+                except RuntimeError as e:  # a timeout, or a peer gone: say which collective this rank was in
+                    raise failures.collective_error(self._where, rank(), world_size(), e) from e
+                self._work = None
 
     def is_completed(self) -> bool:
         done = self._work is None or self._work.is_completed()
-        return done and time.perf_counter() >= self._not_before
-
-
-def _stamp_completion(work, events, not_before: float) -> None:
-    """Record when the backend finished the collective (on its own thread), not when we happened to wait."""
-    def stamp(_):
-        now = time.perf_counter()
-        for e in events:
-            e.done = max(now, not_before)
-    try:
-        work.get_future().add_done_callback(stamp)
-    except (RuntimeError, AttributeError):  # a backend without futures: the wait stamps it instead
-        pass
-
-
-_issued: collections.Counter = collections.Counter()  # group name -> collectives issued on it by this rank
+        return done and self._record.delivered()
 
 
 # --8<-- [start:issue]
 def _issue(kind: str, nbytes: int, call, async_op: bool, tag: str, group,
            device=None):
-    """Count, call, and (for a blocking call) wait: the bookkeeping every
+    """Count, call, and (for a blocking call) wait: the path every
     collective shares."""
-    n = world_size(group)
+    n, name = world_size(group), group_name(group)
     if kind in ("object", "send", "recv"):
         sent = {"object": nbytes * (n - 1), "send": nbytes, "recv": 0}[kind]
     else:
         sent = ring_bytes(kind, nbytes, n)
-    issued = time.perf_counter()
-    start, not_before = issued, 0.0
-    if _link is not None:  # chapter 7: a simulated slow link
-        start, not_before = _link.schedule(issued, sent)
-    events, name = [], group_name(group)
-    for c in _active:
-        c.bytes[kind] += sent
-        c.calls[kind] += 1
-        c.by_group[name][kind] += sent
-        if c.record:
-            done = not_before or float("nan")
-            events.append(CommEvent(kind, sent, issued, tag=tag, start=start,
-                                    done=done, group=name))
-            c.events.append(events[-1])
-    on_gpu = bool(events) and device is not None and device.type == "cuda"
-    timing = cuda_timing.begin(group, device) if on_gpu else None
+    record = recording.begin(kind, sent, tag, name, group, device)
     work = call(async_op=True)
-    cuda = cuda_timing.end(timing, work) if timing is not None else None
-    if cuda is not None:
-        for e in events:
-            e.cuda = cuda
-    elif events and work is not None:
-        _stamp_completion(work, events, not_before)
-    _issued[name] += 1
-    where = (f"{kind} {tag!r}, collective #{_issued[name]} of group {name!r} "
-             f"on this rank")
-    handle = Handle(work, events, not_before, tag, where=where,
-                    cuda_done=None if cuda is None else cuda[1])
+    record.issued(work)
+    handle = Handle(work, record, where=failures.where(kind, tag, name))
     if async_op:
         return handle
     handle.wait()
     return None
 # --8<-- [end:issue]
-
-
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -404,8 +253,7 @@ def copy_to(tensor: torch.Tensor, device: torch.device, direction: str,
     asynchronous = (tensor.is_pinned() if direction == "host_to_device"
                     else non_blocking and tensor.is_cuda)
     out = tensor.to(device, non_blocking=asynchronous, copy=True)
-    for c in _active:
-        c.copies[direction] += _nbytes(tensor)
+    recording.count_copy(direction, _nbytes(tensor))
     return out if dtype is None else out.to(dtype)
 # --8<-- [end:copy_to]
 

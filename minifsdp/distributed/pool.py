@@ -1,9 +1,9 @@
 """A warm pool of ranks: processes that stay alive after a launch, their process group joined, and run the
 next launch of the same shape (start method, world size, device, timeout) without a new process or a
-rendezvous. launch.py starts and watches them; this module keeps them between launches and, inside each
-rank, puts back between two works what a fresh rank would have found.
+rendezvous. spawn.py starts and watches them, ranks.py is what runs in each; this module keeps them
+between launches and, inside each rank, puts back between two works what a fresh rank would have found.
 
-    with rank_pool():                       # minifsdp.distributed.launch.rank_pool
+    with rank_pool():                       # minifsdp.rank_pool
         launch(work, world_size=2)          # starts two ranks, which stay
         launch(other, world_size=2)         # runs on the same two processes
                                             # leaving the block ends the ranks started in it
@@ -19,6 +19,7 @@ default process group destroyed or replaced, a collective that failed).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import gc
 import os
@@ -43,17 +44,24 @@ def enabled() -> bool:
     return chosen not in ("", "0") or (_depth > 0 and chosen != "0")
 
 
-def enter_scope() -> None:
+@contextlib.contextmanager
+def rank_pool():
+    """Inside the block, a launch reuses the ranks an earlier one left, if it has the same start method,
+    world size, device and timeout, instead of starting processes and a rendezvous; leaving the block ends
+    the ranks started in it. MINIFSDP_POOL=1 pools every launch (ranks stay until the process exits),
+    MINIFSDP_POOL=0 none, not even in a block.
+
+    Functions typed into a notebook are still started fresh, forked from the kernel: a rank that already
+    runs could not see a function defined after it started, nor what the kernel changed since."""
     global _depth
     _depth += 1
-
-
-def leave_scope() -> None:
-    """Leaving a block ends the ranks started inside it; those of an enclosing block stay for it."""
-    global _depth
-    _depth -= 1
-    for key in [key for key, pool in _pools.items() if pool.depth > _depth]:
-        _pools.pop(key).close()
+    try:
+        yield
+    finally:
+        # leaving a block ends the ranks started inside it; those of an enclosing block stay for it
+        _depth -= 1
+        for key in [key for key, pool in _pools.items() if pool.depth > _depth]:
+            _pools.pop(key).close()
 
 
 class Pool:
