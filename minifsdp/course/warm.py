@@ -1,7 +1,7 @@
 """Many short pytest runs without importing torch for each: a warm interpreter that forks one child per run.
 
 Most of a short pytest run that launches ranks is importing torch twice: once in the pytest process, once
-in the fork server its ranks come from (launch.py's forkserver start method), more than three seconds of
+in the fork server its ranks come from (spawn.py's forkserver start method), more than three seconds of
 the four or five such a run takes. A server process imports torch and pytest once -- nothing of any
 project, so every child still imports the package from the copy it runs in -- starts one fork server for
 all the runs' ranks, and forks a child per run. The child becomes what `python -m pytest ARGS` started in
@@ -32,7 +32,7 @@ from typing import Sequence
 # The server: import once, then for each job (one JSON line on stdin) fork a child that runs pytest, and
 # answer with two lines: the child's pid at once, its exit code when it ends.
 #
-# It also starts, once, the fork server that the children's ranks are forked from (launch.py's forkserver
+# It also starts, once, the fork server that the children's ranks are forked from (spawn.py's forkserver
 # start method), with torch imported and nothing of any project. Each run would otherwise start its own, and
 # that server's `import torch` is most of a short run: more than three seconds, all before its first rank.
 # A rank still imports the package from the copy its run is in: multiprocessing hands every new process its
