@@ -268,7 +268,9 @@ def test_works_under_torchrun(tmp_path):
          "--world-size", "2", "--steps", "2", "--strategies", "ddp", "fsdp", "--plot", str(tmp_path / "m.png")],
         cwd=REPO, capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "| ddp | 0 |" in out.stdout and (tmp_path / "m.png").exists()  # its row in the tour table
+    # its row in the tour table (plain columns in a terminal): max abs diff 0
+    assert any(line.split()[:2] == ["ddp", "0"] for line in out.stdout.splitlines()), out.stdout
+    assert (tmp_path / "m.png").exists()
 
 
 def test_the_readme_example_runs(tmp_path):

@@ -2,10 +2,14 @@
 the charts' common style, minifsdp/reports/style.py).
 
 Each report prints its table and, given a path, writes the same text there (chapters/generated/...): the
-pages include those files, so every figure on the site is what a named command printed.
+pages include those files, so every figure on the site is what a named command printed. A report whose
+Markdown carries the site's markup (a folded block) renders the same data twice: for the site (MARKDOWN)
+and for a terminal (TERMINAL: plain tables, no markup).
 """
 
 from __future__ import annotations
+
+from typing import Callable, NamedTuple
 
 from minifsdp.reports import style
 
@@ -13,9 +17,10 @@ CATEGORY_LABELS = {"params": "parameters", "grads": "gradients", "optim": "optim
                    "other": "activations, temporaries, buffers"}
 
 
-def write_report(text: str, markdown: str | None) -> None:
-    """Print a report, and write it to `markdown` too when a path is given (the docs include that file)."""
-    print(text)
+def write_report(text: str, markdown: str | None, printed: str | None = None) -> None:
+    """Print a report, and write it to `markdown` too when a path is given (the docs include that file).
+    printed: what the terminal gets instead of `text`, where `text` carries the site's markup."""
+    print(text if printed is None else printed)
     if markdown:
         with open(markdown, "w") as f:
             f.write(text + "\n")
@@ -62,6 +67,34 @@ def md_tabs(panels: list[tuple[str, str]]) -> str:
 def md_folded(title: str, body: str) -> str:
     """A folded block (pymdownx.details), closed until the reader opens it."""
     return f'??? note "{title}"\n\n{_indent(body)}'
+
+
+def text_table(header: list[str], rows: list[list], caption: str | None = None) -> str:
+    """md_table's table for a terminal: each column as wide as its widest cell, a rule of dashes under the
+    header, the caption on a line of its own above it."""
+    cells = [[str(c) for c in row] for row in [header, *rows]]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+
+    def line(row):
+        return "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip()
+
+    lines = ([caption] if caption else []) + [line(cells[0]), line(["-" * w for w in widths])]
+    return "\n".join(lines + [line(row) for row in cells[1:]])
+
+
+def text_section(title: str, body: str) -> str:
+    """md_folded's block for a terminal: nothing to fold, so the title as a heading line over the body."""
+    return f"{title}\n{'=' * len(title)}\n\n{body}"
+
+
+class Renderer(NamedTuple):
+    """How a report writes its tables and its folded parts."""
+    table: Callable[..., str]          # (header, rows, caption=None) -> the table
+    folded: Callable[[str, str], str]  # (title, body) -> the part a reader opens
+
+
+MARKDOWN = Renderer(md_table, md_folded)  # for the site: what `--markdown PATH` writes
+TERMINAL = Renderer(text_table, text_section)
 
 
 @style.charts

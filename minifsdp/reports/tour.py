@@ -6,7 +6,8 @@
 
 For each strategy it prints one table: how far its parameters are from torch DDP's after the same steps
 (0 means bit-identical), per-rank peak memory measured next to the analytic model, bytes communicated per
-step next to the theory, and the step time. It writes a plot of memory by category per strategy.
+step next to the theory, and the step time. It writes a plot of memory by category per strategy. A terminal
+gets plain tables; `--markdown PATH` writes the same data as the site shows it, the per-rank tables folded.
 
 `python -m minifsdp memory` is chapter 2's report: plain DDP at world sizes 1..4, measured vs analytic.
 """
@@ -19,7 +20,8 @@ from minifsdp.distributed import comm
 from minifsdp.distributed.launch import launch
 from minifsdp.measure import analytic
 from minifsdp.models import GPTConfig
-from minifsdp.reports.format import fmt_bytes, md_folded, md_table, md_tabs, plot_memory, write_report
+from minifsdp.reports.format import (MARKDOWN, TERMINAL, Renderer, fmt_bytes, md_table, md_tabs, plot_memory,
+                                     write_report)
 from minifsdp.train import OPTIMIZERS, STRATEGIES, max_abs_diff, train
 
 TOUR_MODEL = GPTConfig(vocab_size=96, block_size=64, n_layer=4, n_head=4, n_embd=64, tie_weights=True)
@@ -77,9 +79,10 @@ def counted(name: str) -> bool:
     return not name.startswith("torch")
 
 
-def format_tour(tables: dict[str, list[dict]]) -> str:
-    """The tour as Markdown: one row per strategy with what the home page compares (rank 0; the difference
-    from torch's DDP is the largest over the ranks), then every column for every rank, folded."""
+def format_tour(tables: dict[str, list[dict]], render: Renderer = MARKDOWN) -> str:
+    """The tour, for the site (MARKDOWN) or a terminal (TERMINAL): one row per strategy with what the home
+    page compares (rank 0; the difference from torch's DDP is the largest over the ranks), then every column
+    for every rank, folded on the site."""
     summary = []
     for name, rows in tables.items():
         r0 = rows[0]
@@ -101,14 +104,14 @@ def format_tour(tables: dict[str, list[dict]]) -> str:
                             fmt_bytes(r["bytes_per_step"]) if counted(name) else "not counted",
                             fmt_bytes(r["bytes_theory"]), f"{r['step_ms']:.1f} ms"])
     every_rank = "\n\n".join([
-        md_table(["strategy", "rank", "peak memory", "model states (measured)", "model states (analytic)",
-                  "activations + other at peak"], memory, "Memory"),
-        md_table(["strategy", "rank", "max abs diff vs torch DDP", "bytes sent / step", "theory", "step time"],
-                 traffic, "Parity, traffic and time")])
+        render.table(["strategy", "rank", "peak memory", "model states (measured)", "model states (analytic)",
+                      "activations + other at peak"], memory, "Memory"),
+        render.table(["strategy", "rank", "max abs diff vs torch DDP", "bytes sent / step", "theory", "step time"],
+                     traffic, "Parity, traffic and time")])
     return "\n\n".join(part for part in [
-        md_table(["strategy", "max abs diff vs torch DDP", "model states (measured)", "model states (analytic)",
-                  "bytes sent / step", "theory"], summary), note,
-        md_folded("All columns, every rank: peak memory, activations, step time", every_rank)] if part)
+        render.table(["strategy", "max abs diff vs torch DDP", "model states (measured)", "model states (analytic)",
+                      "bytes sent / step", "theory"], summary), note,
+        render.folded("All columns, every rank: peak memory, activations, step time", every_rank)] if part)
 
 
 def run_tour(world_size: int = 2, steps: int = 5, device: str = "cpu", plot: str | None = "tour_memory.svg",
@@ -133,7 +136,8 @@ def run_tour(world_size: int = 2, steps: int = 5, device: str = "cpu", plot: str
               f"world size {world_size}, device {device}, global batch {global_batch}")
     tables = {name: strategy_rows(name, [r[name] for r in results], [r[ORACLE] for r in results], optimizer)
               for name in strategies}
-    write_report(f"{header}\n\n{format_tour(tables)}", markdown)
+    write_report(f"{header}\n\n{format_tour(tables)}", markdown,
+                 printed=f"{header}\n\n{format_tour(tables, TERMINAL)}")
     if plot:
         bars = [(name, results[0][name]["peak_by_category"], tables[name][0]["states_analytic"])
                 for name in strategies]
