@@ -26,13 +26,10 @@ import torch.distributed as dist
 from minifsdp import comm, launch
 from minifsdp.ddp.naive import NaiveDDP
 from minifsdp.models import ToyModel
-from minifsdp.train import OPTIMIZERS, STRATEGIES, Strategy, batch, build_model, loss_of, max_abs_diff, train
+from minifsdp.train import OPTIMIZERS, STRATEGIES, Strategy, batch, build_model, loss_of, max_abs_diff
 from per_world_size import PerWorldSize
+from test_ch01_ddp import MODELS, OPTIMS, STEPS, WORLD_SIZES, parity_cases  # the same runs as DDP's
 
-WORLD_SIZES = (1, 2, 3, 4)
-MODELS = ("gpt", "toy")
-OPTIMS = ("sgd", "adamw")
-STEPS = 6
 REORDERED_ATOL = 16 * STEPS * torch.finfo(torch.float32).eps  # N >= 3: see the module docstring
 
 
@@ -44,14 +41,7 @@ def _naive(model, optimizer, find_unused, mp=None, offload=None, group=None):
 def chapter_cases():
     # train()'s loop, data and checks for a strategy it does not list (this rank's process only)
     STRATEGIES.setdefault("naive_ddp", Strategy(_naive, stage=0, comm_passes=2))
-    out = {}
-    for model in MODELS:
-        for opt in OPTIMS:
-            zero = "alternate" if model == "gpt" else "always"
-            for strategy in ("torch_ddp", "naive_ddp"):
-                out[(model, opt, strategy)] = train(strategy=strategy, model=model, optimizer=opt, steps=STEPS,
-                                                    set_to_none=zero, measure=False)
-    return {"parity": out, "one_step": one_backward()}
+    return {"parity": parity_cases(("torch_ddp", "naive_ddp")), "one_step": one_backward()}
 
 
 def one_backward():
