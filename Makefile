@@ -54,7 +54,7 @@ figures: diagrams ## regenerate every figure and table the chapters include
 	$(PY) -m minifsdp step-time --models 7b 70b --nodes 1 8 --gpus-per-node 8 --markdown chapters/generated/step_time.md --published chapters/generated/step_time_vs_published.md
 	$(PY) -m minifsdp simulate --model 7b 70b --world-sizes 8 16 32 64 128 256 512 1024 --strategy ddp oss sdp fsdp fully_shard --plot chapters/figures/scaling_memory.svg --markdown chapters/generated/scaling_memory.md
 	$(PY) -m minifsdp simulate --example all --markdown chapters/generated/worked_examples.md
-	grep -cvE '^\s*(#|$$)' minifsdp/ddp/ddp.py minifsdp/zero/oss.py minifsdp/zero/sdp.py minifsdp/zero/flat.py minifsdp/zero/flat_sdp.py > chapters/generated/loc.txt
+	grep -cvE '^\s*(#|$$)' minifsdp/ddp/ddp.py minifsdp/zero/oss.py minifsdp/zero/sdp.py minifsdp/zero/flat.py minifsdp/zero/flat_state.py minifsdp/zero/flat_sdp.py > chapters/generated/loc.txt
 
 notebooks:        ## run every notebook on CPU ranks and store its outputs (and its code's hash: tests/test_notebooks.py)
 	$(PY) -m minifsdp.reports.notebooks

@@ -319,3 +319,43 @@ class MasterAdamW(torch.optim.Optimizer):
                 p.copy_(master)  # rounded to the parameter's 16 bits
         return loss
 # --8<-- [end:master_adamw]
+
+
+# -- chapter 1's DistributedDataParallel (and OSS and SDP on it): the whole model cast in forward --------------
+# --8<-- [start:replicas]
+class ReplicaPrecision:
+    """How DistributedDataParallel computes and averages under a policy
+    (None: as built, every step in the parameters' own dtype). With
+    param_dtype, forward runs on a cast of the fp32 parameters (and of the
+    floating-point inputs); the casts are part of the autograd graph, so each
+    gradient arrives in fp32 .grad as the exact upcast of the low-precision
+    one, and DDP's hooks fire as usual. Buckets are averaged in reduce_dtype."""
+
+    def __init__(self, policy: MixedPrecision | None, module: torch.nn.Module):
+        # the fp32 parameters are the master weights
+        check_master_dtype(policy, module.named_parameters())
+        cast_buffers(module, policy)
+        self.policy = policy
+        # (a loss scaler counts what it scales: see after_backward)
+        self._scaled_before_forward = scaled_losses()
+
+    def forward(self, module: torch.nn.Module, args, kwargs):
+        """The module's forward, on a param_dtype cast of its parameters."""
+        self._scaled_before_forward = scaled_losses()
+        args, kwargs = cast_inputs(self.policy, args, kwargs)
+        if self.policy is None or self.policy.param_dtype is None:
+            return module(*args, **kwargs)
+        cast = {name: p.to(self.policy.param_dtype)
+                for name, p in module.named_parameters()}
+        return torch.func.functional_call(module, cast, args, kwargs)
+
+    def reduce_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype a bucket of gradients of `dtype` is averaged in."""
+        if self.policy is None or self.policy.grad_dtype is None:
+            return dtype
+        return self.policy.grad_dtype
+
+    def after_backward(self) -> None:
+        """Warn about an fp16 backward that no loss scaler scaled."""
+        warn_if_unscaled(self.policy, self._scaled_before_forward)
+# --8<-- [end:replicas]

@@ -99,12 +99,12 @@ def single():
 
 
 # -- parity against torch's DDP and against one process --------------------------------------------------------
-def parity_cases():
+def parity_cases(strategies=("torch_ddp", "ddp")):
     out = {}
     for model in MODELS:
         for opt in OPTIMS:
             zero = "alternate" if model == "gpt" else "always"
-            for strategy in ("torch_ddp", "ddp"):
+            for strategy in strategies:
                 out[(model, opt, strategy)] = train(strategy=strategy, model=model, optimizer=opt, steps=STEPS,
                                                     set_to_none=zero, measure=False)
     return out

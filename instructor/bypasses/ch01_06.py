@@ -101,7 +101,7 @@ for p in params:
     # Caught by test_ch03_flat.py::test_bytes_per_step_are_ddps_up_to_padding.
     "3.3": '''\
 for b in self.buckets:
-    if self.reduce_in_step and not self._grads_reduced:
+    if self.grad_reduction is GradReduction.IN_STEP:
         full = b.flat_grad(1.0 / self.world_size)
         comm.all_reduce(full, tag="grads", group=self.group)
         b.shard.grad = full[b.start: b.start + b.shard.numel()].clone()

@@ -16,14 +16,14 @@ sits idle during backward and then the GPU sits idle during the network. So, as 
   launched asynchronously, and backward carries on computing the earlier layers meanwhile (overlap);
 - when backward finishes, we wait for the outstanding all-reduces and copy the averages back into .grad.
 
-The machinery -- buckets, a hook per parameter, launching complete buckets in order, finishing when
-backward ends -- is shared: ZeRO-2 (zero/sdp.py, zero/flat_sdp.py) subclasses this class and changes only
-how buckets are formed, what launching one does, and what happens to the result.
+naive.py is the same average without these improvements: one blocking all-reduce per gradient, once
+backward is over.
 """
 
 from __future__ import annotations
 
 import contextlib
+import enum
 import functools
 
 import torch
@@ -31,8 +31,14 @@ import torch.nn as nn
 from torch.utils._pytree import tree_leaves
 
 from minifsdp.distributed import comm
-from minifsdp.mixed_precision import (MixedPrecision, cast_buffers, cast_inputs, check_master_dtype, scaled_losses,
-                                      warn_if_unscaled)
+from minifsdp.mixed_precision import MixedPrecision, ReplicaPrecision
+
+
+class GradSync(enum.Enum):
+    """What the backward of the last forward does with the gradients. The
+    forward decides, from require_backward_grad_sync, as torch's DDP does."""
+    AVERAGE = "average"  # the hooks launch the buckets' all-reduces
+    LOCAL = "local"      # no_sync() or no grad: they accumulate on this rank
 
 
 class _Bucket:
@@ -40,7 +46,6 @@ class _Bucket:
 
     def __init__(self, params: list[nn.Parameter]):
         self.params = params
-        self.owner = None        # ZeRO-2 (chapter 4): the one rank that keeps this bucket's gradients
         self.ready = 0           # how many of `params` have their gradient for this backward
         self.handle = None       # the async all-reduce in flight
         self.flat = None         # ... and the tensor it reduces
@@ -56,8 +61,8 @@ class DistributedDataParallel(nn.Module):
     broadcast_buffers:      re-broadcast rank 0's buffers (e.g. BatchNorm statistics) before each forward.
     find_unused_parameters: set it when some parameters may get no gradient in a step; their buckets
                             would otherwise never complete, and we raise instead of waiting forever.
-    mixed_precision:        chapter 8's MixedPrecision: compute with a param_dtype cast of the fp32
-                            parameters, average the gradients in reduce_dtype, step in fp32.
+    mixed_precision:        chapter 8's MixedPrecision (mixed_precision.py's ReplicaPrecision): compute
+                            with a param_dtype cast of the fp32 parameters, average in reduce_dtype.
     process_group:          the ranks that hold replicas (default: all of them); every collective goes to
                             this group only, so several data-parallel groups can train side by side.
     """
@@ -74,11 +79,15 @@ class DistributedDataParallel(nn.Module):
         check_bucket_cap_mb(bucket_cap_mb)
         self.module = module
         self.process_group = process_group
-        self._set_mixed_precision(mixed_precision)  # chapter 8 (None: all fp32)
+        # how forward computes, and in what dtype buckets are averaged: as
+        # built, unless chapter 8's mixed_precision casts them
+        self.precision = ReplicaPrecision(mixed_precision, module)
         self.broadcast_buffers = broadcast_buffers
         self.find_unused_parameters = find_unused_parameters
-        self.require_backward_grad_sync = True  # set by no_sync(), read by forward
-        self._sync_backward = True  # the last forward's decision (at first: sync)
+        # torch's public switch, which no_sync() turns off; each forward
+        # decides from it what its backward does (at first: average)
+        self.require_backward_grad_sync = True
+        self.grad_sync = GradSync.AVERAGE
         self.world_size = comm.world_size(process_group)
         if init_sync:  # (torch's name; False trusts every rank to build the same)
             state = list(module.named_parameters()) + list(module.named_buffers())
@@ -116,8 +125,12 @@ class DistributedDataParallel(nn.Module):
         return [bucket[::-1] for bucket in _pack(params[::-1], self._cap)]
 
     def _set_buckets(self, groups: list[list[nn.Parameter]]) -> None:
-        self._buckets = [_Bucket(g) for g in groups]
+        self._buckets = [self._new_bucket(g) for g in groups]
         self._bucket_of = {p: b for b in self._buckets for p in b.params}
+
+    def _new_bucket(self, params: list[nn.Parameter]) -> _Bucket:
+        """A bucket of these parameters (ZeRO-2's also names their owner)."""
+        return _Bucket(params)
 
     # -- forward: prepare the bookkeeping for the coming backward ------------------------------------------
     # --8<-- [start:forward]
@@ -125,15 +138,15 @@ class DistributedDataParallel(nn.Module):
         # torch's rule: buffers are re-broadcast only when the previous forward
         # led to a synced backward -- not after a forward under no_sync() or
         # no_grad, whose buffer updates each rank keeps.
-        if self.broadcast_buffers and self._sync_backward:
+        if self.broadcast_buffers and self.grad_sync is GradSync.AVERAGE:
             buffers = self.module.buffers()
             comm.broadcast_tensors(buffers, src=0, group=self.process_group)
-        out = self._compute(args, kwargs)
+        out = self.precision.forward(self.module, args, kwargs)
         # Whether the coming backward averages the gradients is decided now, as
         # in torch: no_sync() must surround the forward; around the backward
         # alone it changes nothing.
         sync = torch.is_grad_enabled() and self.require_backward_grad_sync
-        self._sync_backward = sync
+        self.grad_sync = GradSync.AVERAGE if sync else GradSync.LOCAL
         if sync:
             for b in self._buckets:
                 b.ready = 0
@@ -150,36 +163,10 @@ class DistributedDataParallel(nn.Module):
         return out
     # --8<-- [end:forward]
 
-    # -- chapter 8: mixed precision ------------------------------------------------------------------------
-    # --8<-- [start:compute]
-    def _set_mixed_precision(self, mp: MixedPrecision | None) -> None:
-        """Check that the parameters are fp32 (the master weights), cast the
-        buffers, and start counting the losses a loss scaler scales (_finish
-        warns about an fp16 backward without one)."""
-        self.mixed_precision = mp
-        check_master_dtype(mp, self.module.named_parameters())
-        cast_buffers(self.module, mp)
-        self._scaled_before_forward = scaled_losses()
-
-    def _compute(self, args, kwargs):
-        """The module's forward -- with mixed precision, on a param_dtype cast of
-        its parameters (and of its floating-point inputs). The casts are part of
-        the autograd graph, so each gradient arrives in fp32 .grad as the exact
-        upcast of the low-precision one, and the hooks below fire as usual."""
-        mp = self.mixed_precision
-        self._scaled_before_forward = scaled_losses()
-        args, kwargs = cast_inputs(mp, args, kwargs)
-        if mp is None or mp.param_dtype is None:
-            return self.module(*args, **kwargs)
-        params = self.module.named_parameters()
-        cast = {name: p.to(mp.param_dtype) for name, p in params}
-        return torch.func.functional_call(self.module, cast, args, kwargs)
-    # --8<-- [end:compute]
-
     # -- backward: hooks fire as gradients land ------------------------------------------------------------
     # --8<-- [start:hooks]
     def _on_grad_ready(self, p: nn.Parameter) -> None:
-        if not self._sync_backward:
+        if self.grad_sync is GradSync.LOCAL:
             return  # its forward ran inside no_sync(): gradients accumulate locally
         if not self._finish_queued:
             # Runs once the whole backward pass is done, on the same thread,
@@ -203,11 +190,10 @@ class DistributedDataParallel(nn.Module):
         """The bucket's gradients as one flat tensor, already multiplied by 1/N.
         release=True drops each .grad as soon as it is copied (ZeRO-2 needs them
         no more), so the bucket is never held twice."""
-        dtypes = [p.dtype for p in bucket.params]
-        dtype = functools.reduce(torch.promote_types, dtypes)
-        mp = self.mixed_precision
-        if mp is not None and mp.grad_dtype is not None:
-            dtype = mp.grad_dtype  # chapter 8: averaged in reduce_dtype
+        dtype = functools.reduce(torch.promote_types,
+                                 [p.dtype for p in bucket.params])
+        # (chapter 8 may average in a lower precision)
+        dtype = self.precision.reduce_dtype(dtype)
         size = sum(p.numel() for p in bucket.params)
         flat = torch.empty(size, dtype=dtype, device=bucket.params[0].device)
         offset = 0
@@ -239,7 +225,7 @@ class DistributedDataParallel(nn.Module):
         """End of backward: every bucket must have been launched; wait for them
         and write .grad back."""
         self._finish_queued = False
-        warn_if_unscaled(self.mixed_precision, self._scaled_before_forward)
+        self.precision.after_backward()  # (chapter 8: fp16 without a loss scaler)
         if self._next < len(self._buckets):
             missing = [self._names[p] for b in self._buckets[self._next:]
                        for p in b.params if p.grad is None]
@@ -341,10 +327,6 @@ def _pack(params: list[nn.Parameter], cap_bytes: int) -> list[list[nn.Parameter]
         groups[-1].append(p)
         size += nbytes
     return groups
-
-
-def _grad_or_zeros(p: nn.Parameter) -> torch.Tensor:
-    return p.grad if p.grad is not None else torch.zeros_like(p)
 
 
 def _params_reached_from(output) -> set:

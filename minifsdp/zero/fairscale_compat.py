@@ -1,4 +1,9 @@
-"""Chapter 4's wrappers with FairScale's arguments and methods: what a fairscale.nn.ShardedDataParallel script calls.
+"""FairScale's surface on chapters 3 and 4: what a fairscale.optim.OSS or fairscale.nn.ShardedDataParallel
+script calls beyond the idea each chapter teaches.
+
+OSS (chapter 3): minifsdp.OSS is oss.py's OSS with FairScale's whole signature. Its force_broadcast_object
+chooses between two ways of moving the state that are one way here, its refresh_trainable() has nothing
+to re-plan, and consolidate_state_dict(to=...) is an older name for recipient_rank.
 
 ShardedDataParallel (sdp.py) and FlatShardedDataParallel (flat_sdp.py) are chapter 1's DDP with another
 way of sending the gradients. FairScale's ShardedDataParallel adds a few things a DDP does not have; they
@@ -28,8 +33,34 @@ import torch.nn as nn
 
 from minifsdp.distributed import comm
 from minifsdp.mixed_precision import MixedPrecision
+from minifsdp.zero import oss
 
 FAIRSCALE_REDUCE_BUFFER_SIZE = 2 ** 23  # FairScale's default gradient bucket, in elements
+
+
+class OSS(oss.OSS):
+    """fairscale.optim.OSS: chapter 3's OSS (oss.py) with FairScale's arguments, in FairScale's order, then
+    minifsdp's param_sync.
+
+    force_broadcast_object: FairScale's switch between two ways of moving the state in
+                            consolidate_state_dict; here there is one way (all_gather_object), the result
+                            is the same, and the switch changes nothing.
+    """
+
+    def __init__(self, params, optim: type[torch.optim.Optimizer] = torch.optim.SGD, group=None,
+                 broadcast_buffer_size: int = -1, broadcast_fp16: bool = False,
+                 force_broadcast_object: bool = False, param_sync: str = "broadcast", **default):
+        super().__init__(params, optim, group, broadcast_buffer_size, broadcast_fp16, param_sync=param_sync,
+                         **default)
+        self.force_broadcast_object = force_broadcast_object
+
+    def consolidate_state_dict(self, recipient_rank: int = 0, to: int | None = None) -> None:
+        """OSS's (oss.py); `to` is another name for recipient_rank."""
+        super().consolidate_state_dict(recipient_rank if to is None else to)
+
+    def refresh_trainable(self) -> None:
+        """FairScale's hook for a change of requires_grad. Nothing to re-plan here: every parameter has had
+        an owner since construction, frozen or not, and step() reads requires_grad each time."""
 
 
 def bucket_cap_mb_from(reduce_buffer_size: int, bucket_cap_mb: float | None, module: nn.Module) -> float:
@@ -111,6 +142,10 @@ class FairScaleMethods:
         self._setup_buckets_and_hooks()
         self._trainable = self._trainable_now()
     # --8<-- [end:trainable]
+
+    def _refresh_optimizer(self) -> None:
+        """The optimizer's part of a re-plan: none for an OSS, whose partition gave every parameter an owner,
+        frozen or not (the flat design lays its parameters out again)."""
 
     def reduce(self) -> None:
         """Send the gradients accumulated under no_sync() now, as the backward of a forward outside no_sync()

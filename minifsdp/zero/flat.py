@@ -35,13 +35,13 @@ is None. The two agree whenever every trainable parameter gets a gradient. Optim
 element-wise (per-tensor norms: LAMB, Adafactor) see a slice instead of a parameter and legitimately
 differ.
 
-Run it on 2 CPU ranks (`demo` in flat_sdp.py: a tiny GPT, 3 steps of ZeRO-2 with AdamW):
-
-    python -c "from minifsdp import launch; from minifsdp.zero.flat_sdp import demo; print(launch(demo, world_size=2))"
+Checkpoints of this layout (a rank's own shard, or a plain torch optimizer's full state) are in
+flat_state.py.
 """
 
 from __future__ import annotations
 
+import enum
 import math
 
 import torch
@@ -50,6 +50,7 @@ import torch.nn as nn
 from minifsdp.ddp.ddp import _pack, check_bucket_cap_mb
 from minifsdp.distributed import comm
 from minifsdp.zero.clip import clip_sharded_grad_norm_
+from minifsdp.zero.flat_state import FlatStateDict
 from minifsdp.zero.oss import require_optimizer_class
 
 # --8<-- [start:layout]
@@ -111,7 +112,15 @@ class FlatBucket:
         return out.mul_(scale)
 
 
-class FlatOSS(torch.optim.Optimizer):
+class GradReduction(enum.Enum):
+    """Who reduce-scatters the gradients into this rank's slices, and whether
+    that has happened for this step."""
+    IN_STEP = "step() reduce-scatters them"          # FlatOSS alone
+    DONE = "reduce-scattered for this step"          # by clip_grad_norm
+    IN_BACKWARD = "backward reduce-scatters them"    # FlatShardedDataParallel
+
+
+class FlatOSS(FlatStateDict, torch.optim.Optimizer):
     """ZeRO-1, flat: each rank owns a contiguous 1/N of every bucket and keeps optimizer state for it only.
 
     params:                as for any torch optimizer (param groups work; an LR scheduler drives param_groups).
@@ -151,9 +160,7 @@ class FlatOSS(torch.optim.Optimizer):
             bucket_cap_mb = broadcast_buffer_size * self.param_groups[0]["params"][0].element_size() / 2 ** 20
         self.bucket_cap_mb, self.broadcast_fp16 = bucket_cap_mb, broadcast_fp16
         self.optim_class, self._defaults = optim, defaults
-        # FlatShardedDataParallel turns this off: it reduce-scatters during backward, into the shards' .grad.
-        self.reduce_in_step = True
-        self._grads_reduced = False  # clip_grad_norm reduce-scattered them already, before step()
+        self.grad_reduction = GradReduction.IN_STEP  # (see reduce_in_backward)
         self._consolidated = None    # the full state consolidate_state_dict() kept, until the next step
         self._parked = {}            # the state of given parameters that are not laid out (frozen since)
 
@@ -268,7 +275,7 @@ class FlatOSS(torch.optim.Optimizer):
             local_group.update(self._hyper(b.group))
         # BEGIN EXERCISE 3.3: reduce-scatter the grads, step the shards, all-gather
         for b in self.buckets:
-            if self.reduce_in_step and not self._grads_reduced:
+            if self.grad_reduction is GradReduction.IN_STEP:
                 if b.shard.grad is None:
                     b.shard.grad = torch.empty_like(b.shard)
                 comm.reduce_scatter(b.shard.grad,
@@ -286,9 +293,23 @@ class FlatOSS(torch.optim.Optimizer):
                 # allows and llm.c does: no copy
                 comm.all_gather(b.flat, b.shard, tag="params", group=self.group)
         # END EXERCISE
-        self._grads_reduced, self._consolidated = False, None
+        self._consolidated = None
+        self._forget_reduction()
         return loss
     # --8<-- [end:step]
+
+    def _forget_reduction(self) -> None:
+        """The gradients reduced for this step are used up: the next step
+        reduces its own (unless backward does)."""
+        if self.grad_reduction is GradReduction.DONE:
+            self.grad_reduction = GradReduction.IN_STEP
+
+    def reduce_in_backward(self) -> None:
+        """Leave the reduce-scatter to backward (FlatShardedDataParallel's hooks): step() only steps and
+        all-gathers, and the gradients land in the slices' .grad as each bucket is sent."""
+        if self.grad_reduction is GradReduction.IN_BACKWARD:
+            raise ValueError("this FlatOSS already belongs to a FlatShardedDataParallel")
+        self.grad_reduction = GradReduction.IN_BACKWARD
 
     def _all_gather_in_fp16(self, b: FlatBucket) -> None:
         """broadcast_fp16: the slices travel in fp16, and every rank, this one too, takes the rounded values."""
@@ -299,7 +320,7 @@ class FlatOSS(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none=set_to_none)
         self._local.zero_grad(set_to_none=set_to_none)
-        self._grads_reduced = False
+        self._forget_reduction()
 
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0, filter_params_fn=None) -> torch.Tensor:
         """Clip the averaged gradients as torch's clip_grad_norm_ would, and return their total norm (OSS's
@@ -309,103 +330,12 @@ class FlatOSS(torch.optim.Optimizer):
             raise NotImplementedError("FlatOSS.clip_grad_norm(filter_params_fn=...): this rank's gradients are "
                                       "slices of flat buckets that cut through parameters, so there are no "
                                       "parameters to filter (OSS keeps whole parameters: use it for that)")
-        if self.reduce_in_step and not self._grads_reduced:
+        if self.grad_reduction is GradReduction.IN_STEP:
             for b in self.buckets:
                 b.shard.grad = torch.empty_like(b.shard) if b.shard.grad is None else b.shard.grad
                 comm.reduce_scatter(b.shard.grad, b.flat_grad(1.0 / self.world_size), tag="grads", group=self.group)
-            self._grads_reduced = True
+            self.grad_reduction = GradReduction.DONE
         grads = [b.shard.grad for b in self.buckets if b.shard.grad is not None]
         return clip_sharded_grad_norm_(grads, max_norm, norm_type, group=self.group)
 
     clip_grad_norm_ = clip_grad_norm  # torch's spelling
-
-    # -- checkpoints ---------------------------------------------------------------------------------------
-    def consolidate_state_dict(self, recipient_rank: int = 0) -> None:
-        """OSS's protocol (FairScale's): gather the full state, in a plain torch optimizer's format, and keep
-        it on rank `recipient_rank` (-1: every rank) for state_dict(). Call it on every rank."""
-        full = self.consolidated_state_dict()
-        self._consolidated = full if recipient_rank in (-1, self.rank) else None
-
-    def state_dict(self, all_ranks: bool = False) -> dict:
-        """The full state consolidate_state_dict() kept here, if no step came since (all_ranks=True: gathered
-        now, on every rank); otherwise this rank's shard of the state (one file per rank), with every
-        group's hyper-parameters."""
-        if all_ranks:
-            return self.consolidated_state_dict()
-        if self._consolidated is not None:
-            return self._consolidated
-        return {"world_size": self.world_size, "rank": self.rank,
-                "shard_numels": [b.shard.numel() for b in self.buckets],
-                "param_groups": [self._hyper(g) for g in range(len(self.param_groups))],
-                "local": self._local.state_dict()}
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        """Load a state_dict() saved by this rank of the same layout, or a plain torch optimizer's state
-        dict over the same params (e.g. from consolidated_state_dict(), at any world size)."""
-        if "local" not in state_dict:
-            return self._load_consolidated(state_dict)
-        saved = (state_dict["world_size"], state_dict["rank"], state_dict["shard_numels"])
-        mine = (self.world_size, self.rank, [b.shard.numel() for b in self.buckets])
-        if saved != mine:
-            raise ValueError(f"this sharded state dict is (world_size, rank, shard sizes) = {saved}, but this "
-                             f"FlatOSS is {mine}. Load a consolidated_state_dict() to change the layout.")
-        self._local.load_state_dict(state_dict["local"])
-        for group, hyper in zip(self.param_groups, state_dict["param_groups"]):
-            group.update(hyper)
-
-    def _torch_indices(self) -> tuple[dict, list]:
-        """Param -> index as torch's Optimizer.state_dict() numbers them, and the packed param groups."""
-        index, packed, n = {}, [], 0
-        for group in self.param_groups:
-            ids = []
-            for p in group["params"]:
-                index.setdefault(p, n)
-                ids.append(index[p])
-                n += 1
-            packed.append(dict(self._hyper(len(packed)), params=ids))
-        return index, packed
-
-    def consolidated_state_dict(self) -> dict:
-        """On every rank: the state dict a plain torch optimizer over the same params would have.
-
-        Element-wise state (momentum, exp_avg, ...) is all-gathered bucket by bucket and cut back into
-        per-parameter tensors; per-slice scalars (Adam's step) are the same for every param of a bucket.
-        """
-        index, packed = self._torch_indices()
-        state: dict[int, dict] = {}
-        for b in self.buckets:
-            for key, value in self._local.state.get(b.shard, {}).items():
-                if torch.is_tensor(value) and value.shape == b.shard.shape:
-                    full = torch.empty_like(b.flat)
-                    comm.all_gather(full, value.contiguous(), tag="state", group=self.group)
-                    for p, start in zip(b.params, b.offsets):
-                        state.setdefault(index[p], {})[key] = full[start: start + p.numel()].view_as(p).clone()
-                else:
-                    for p in b.params:
-                        state.setdefault(index[p], {})[key] = value.clone() if torch.is_tensor(value) else value
-        state.update({index[p]: parked for p, parked in self._parked.items()})
-        return {"state": dict(sorted(state.items())), "param_groups": packed}
-
-    def _load_consolidated(self, state_dict: dict) -> None:
-        index, _ = self._torch_indices()
-        saved = state_dict["state"]
-        local_state = {}
-        for i, b in enumerate(self.buckets):
-            have = [saved[index[p]] for p in b.params if index[p] in saved]
-            if not have:
-                continue  # never stepped
-            local_state[i] = {}
-            for key, value in have[0].items():
-                if torch.is_tensor(value) and value.dim() > 0:
-                    full = torch.zeros_like(b.flat)  # a param without state starts from zeros
-                    for p, start in zip(b.params, b.offsets):
-                        if key in saved.get(index[p], {}):
-                            full[start: start + p.numel()].copy_(saved[index[p]][key].reshape(-1))
-                    local_state[i][key] = full[b.start: b.start + b.shard.numel()].clone()
-                else:
-                    local_state[i][key] = value
-        for group, hyper in zip(self.param_groups, state_dict["param_groups"]):
-            group.update({k: v for k, v in hyper.items() if k != "params"})
-        self._local.load_state_dict({"state": local_state, "param_groups": [
-            dict(self._hyper(b.group), params=[i]) for i, b in enumerate(self.buckets)]})
-        self._parked = {p: saved[i] for p, i in index.items() if p not in self._laid_out and i in saved}

@@ -52,8 +52,6 @@ class FlatShardedDataParallel(FairScaleMethods, DistributedDataParallel):
             raise TypeError(f"FlatShardedDataParallel needs a FlatOSS (it reduce-scatters into the FlatOSS's "
                             f"flat shards), got {type(flat_optimizer).__name__}. Build one with "
                             f"FlatOSS(module.parameters(), optim=<optimizer class>, bucket_cap_mb=..., lr=...)")
-        if not flat_optimizer.reduce_in_step:
-            raise ValueError("this FlatOSS already belongs to a FlatShardedDataParallel")
         if flat_optimizer.bucket_cap_mb is None:
             raise ValueError("FlatShardedDataParallel needs a FlatOSS built with bucket_cap_mb=...: its buckets "
                              "are reduce-scattered one by one during backward, and with bucket_cap_mb=None a "
@@ -67,11 +65,11 @@ class FlatShardedDataParallel(FairScaleMethods, DistributedDataParallel):
         self.optimizer = flat_optimizer
         self.reduce_dtype = torch.float16 if reduce_fp16 else None  # None: the gradients' own dtype
         self._plan(module)
+        flat_optimizer.reduce_in_backward()  # its step() now only steps and all-gathers
         self._in_flight = []  # (flat bucket, its reduce-scattered chunk, the flat input kept alive, handle)
         # find_unused_parameters: parameters the graph does not reach count as ready at forward (as zeros)
         super().__init__(module, broadcast_buffers=broadcast_buffers, find_unused_parameters=True,
                          process_group=flat_optimizer.group, init_sync=sync_models_at_startup)
-        flat_optimizer.reduce_in_step = False
         self._init_fairscale(sync_models_at_startup, auto_refresh_trainable, warn_on_trainable_params_changed)
 
     def _plan(self, module: nn.Module) -> None:
@@ -142,25 +140,3 @@ class FlatShardedDataParallel(FairScaleMethods, DistributedDataParallel):
         """End of backward (every bucket has gone out: DDP's _finish checked): wait for the last one."""
         self._retire()
 
-
-def demo(steps: int = 3) -> dict:
-    """A few ZeRO-2 steps of a tiny GPT on this rank: the losses, and the bytes it holds and sends."""
-    from minifsdp.models import TinyGPT, gpt_batch  # (the package's models; nothing here depends on them)
-
-    model = TinyGPT(seed=comm.rank())
-    opt = FlatOSS(model.parameters(), optim=torch.optim.AdamW, bucket_cap_mb=0.05, lr=3e-3, weight_decay=0.1)
-    model = FlatShardedDataParallel(model, opt)
-    n, r = comm.world_size(), comm.rank()
-    losses = []
-    with comm.counting() as counter:
-        for step in range(steps):
-            x, y = (t[4 * r: 4 * r + 4] for t in gpt_batch(model.module.config, step, 4 * n))  # 4 samples a rank
-            loss = model(x, y)
-            loss.backward()
-            grad_bytes = sum(b.shard.grad.numel() * b.shard.element_size() for b in opt.buckets)
-            opt.step()
-            opt.zero_grad()
-            losses.append(round(loss.item(), 4))
-    return {"rank": r, "losses": losses, "buckets": len(opt.buckets), "grad_bytes": grad_bytes,
-            "optim_bytes": sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values()),
-            "bytes_per_step": counter.total() / steps}

@@ -86,16 +86,14 @@ class OSS(torch.optim.Optimizer):
                            buffer stays that small. 0 or -1 (FairScale's default): one bucket per owner.
     broadcast_fp16:        send the updated parameters in fp16, half the bytes. Every replica, the owner's
                            included, then holds the fp16-rounded values, so they stay identical.
-    force_broadcast_object: FairScale's switch between two ways of moving the state in
-                           consolidate_state_dict; here there is one way (all_gather_object), the result is
-                           the same, and the switch changes nothing.
     param_sync:            how replicas are made current after the step: "broadcast" (each owner broadcasts
                            its parameters) or "all_gather" (one collective, but every rank's share is padded
                            to the largest share).
 
-    The arguments before param_sync are FairScale's, in FairScale's order. OSS is an optimizer: it keeps
-    the trainable parameters identical on every rank after each step, and touches nothing else. Making the
-    replicas start identical (frozen parameters and buffers included) is the wrapper's job: DDP or
+    The arguments before param_sync are FairScale's, in FairScale's order; minifsdp.OSS
+    (fairscale_compat.py) adds the rest of FairScale's surface. OSS is an optimizer: it keeps the trainable
+    parameters identical on every rank after each step, and touches nothing else. Making the replicas
+    start identical (frozen parameters and buffers included) is the wrapper's job: DDP or
     ShardedDataParallel broadcast rank 0's model when they are built.
     """
 
@@ -103,8 +101,7 @@ class OSS(torch.optim.Optimizer):
     def __init__(self, params,
                  optim: type[torch.optim.Optimizer] = torch.optim.SGD,
                  group=None, broadcast_buffer_size: int = -1,
-                 broadcast_fp16: bool = False,
-                 force_broadcast_object: bool = False,
+                 broadcast_fp16: bool = False, *,
                  param_sync: str = "broadcast", **defaults):
         comm.require_process_group()
         require_optimizer_class(optim, "OSS")
@@ -153,10 +150,6 @@ class OSS(torch.optim.Optimizer):
                                        scaled=[p.grad for p in owned])
 
     clip_grad_norm_ = clip_grad_norm  # torch's spelling
-
-    def refresh_trainable(self) -> None:
-        """FairScale's hook for a change of requires_grad. Nothing to re-plan here: every parameter has had
-        an owner since construction, frozen or not, and step() reads requires_grad each time."""
 
     # --8<-- [start:param_groups]
     def add_param_group(self, param_group: dict) -> None:
@@ -249,12 +242,9 @@ class OSS(torch.optim.Optimizer):
         return {p: i for i, p in enumerate(self._all_params())}
 
     # --8<-- [start:state_dict]
-    def consolidate_state_dict(self, recipient_rank: int = 0,
-                               to: int | None = None) -> None:
+    def consolidate_state_dict(self, recipient_rank: int = 0) -> None:
         """Gather every rank's shard of the state into one full state dict,
-        kept on rank `recipient_rank` (-1: on every rank). `to` is another name
-        for recipient_rank."""
-        recipient = recipient_rank if to is None else to
+        kept on rank `recipient_rank` (-1: on every rank)."""
         index = self._global_index()
         local = self.optim.state_dict()
         local_params = [p for group in self.optim.param_groups
@@ -266,7 +256,7 @@ class OSS(torch.optim.Optimizer):
                 for i, s in local["state"].items()}
         shards = comm.all_gather_object(mine, group=self.group)
         self._consolidated = None
-        if recipient in (-1, self.rank):
+        if recipient_rank in (-1, self.rank):
             state = {k: v for shard in shards for k, v in shard.items()}
             groups, start = [], 0
             for group in self.param_groups:

@@ -32,6 +32,15 @@ from minifsdp.zero.fairscale_compat import (FAIRSCALE_REDUCE_BUFFER_SIZE, FairSc
 from minifsdp.zero.oss import OSS
 
 
+class OwnedBucket(_Bucket):
+    """A bucket whose gradients all belong to one rank: reduced to it alone."""
+
+    def __init__(self, params: list[nn.Parameter], owner: int):
+        super().__init__(params)
+        self.owner = owner     # the rank that steps these parameters
+        self.had_grad = None   # at launch: which params had a gradient here
+
+
 class ShardedDataParallel(FairScaleMethods, DistributedDataParallel):
     """ZeRO-2 data parallelism for a model whose optimizer is an OSS. FairScale's arguments, in its order:
 
@@ -125,10 +134,11 @@ class ShardedDataParallel(FairScaleMethods, DistributedDataParallel):
         return groups
 
     def _set_buckets(self, groups) -> None:
+        self._owner = self._owners()
         super()._set_buckets(groups)
-        owner = self._owners()
-        for bucket in self._buckets:
-            bucket.owner = owner[bucket.params[0]]
+
+    def _new_bucket(self, params: list[nn.Parameter]) -> OwnedBucket:
+        return OwnedBucket(params, owner=self._owner[params[0]])
     # --8<-- [end:bucket_groups]
 
     def forward(self, *args, **kwargs):
@@ -143,11 +153,8 @@ class ShardedDataParallel(FairScaleMethods, DistributedDataParallel):
             self._reduced = set()
         return super().forward(*args, **kwargs)
 
-    def _refresh_optimizer(self) -> None:
-        self.sharded_optimizer.refresh_trainable()  # (OSS has nothing to re-plan: every parameter has an owner)
-
     # --8<-- [start:launch]
-    def _launch(self, bucket: _Bucket) -> None:
+    def _launch(self, bucket: OwnedBucket) -> None:
         # the previous send had this bucket's backward to finish: its flat
         # copy goes now
         self._retire_sent()
@@ -180,7 +187,7 @@ class ShardedDataParallel(FairScaleMethods, DistributedDataParallel):
     # --8<-- [end:retire]
 
     # --8<-- [start:write_back]
-    def _write_back(self, bucket: _Bucket, globally_used) -> None:
+    def _write_back(self, bucket: OwnedBucket, globally_used) -> None:
         if bucket.owner != self.rank:
             self._retire_sent()  # (the last one sent)
             return
