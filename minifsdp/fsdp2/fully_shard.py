@@ -33,7 +33,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_map
 
 from minifsdp.distributed import comm
-from minifsdp.fsdp.flat_param import sync_all_gathers
+from minifsdp.fsdp.streams import sync_all_gathers
 from minifsdp.fsdp2.param import FSDPParam, FSDPParamGroup
 
 

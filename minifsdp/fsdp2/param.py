@@ -34,7 +34,8 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from minifsdp.distributed import comm
-from minifsdp.fsdp.flat_param import _alloc_storage, _free_storage, _side_stream
+from minifsdp.fsdp.flat_param import _alloc_storage, _free_storage
+from minifsdp.fsdp.streams import side_stream as _side_stream
 
 
 # --8<-- [start:shard]
