@@ -159,7 +159,8 @@ class FlatParameter:
             self.wait_for_unshard()
 
     def all_gather_input(self) -> torch.Tensor:
-        """What this rank sends to the all-gather: its shard (chapter 8 casts it)."""
+        """What this rank sends to the all-gather: its shard (chapter 8: a
+        cast of it)."""
         return self._shard
 
     def wait_for_unshard(self) -> None:
@@ -285,7 +286,8 @@ class FlatParameter:
 
     # --8<-- [start:write_back]
     def write_back_shard(self) -> None:
-        """Copy this rank's slice of the (edited) full parameters back into its shard."""
+        """Copy this rank's slice of the (edited) full parameters back into
+        its shard."""
         start = self.rank * self.shard_numel
         with torch.no_grad():
             self._shard.copy_(self._full[start: start + self.shard_numel])

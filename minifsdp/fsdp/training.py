@@ -92,7 +92,8 @@ class TrainingUnit(MixedPrecisionUnit):
 
     # --8<-- [start:unit_no_sync]
     def no_sync(self):
-        """Backward passes inside the block send nothing; the first one after it reduce-scatters the sum."""
+        """Backward passes inside the block send nothing; the first one after
+        it reduce-scatters the sum."""
         return no_sync(self.units())
 
     def _accumulate_unsharded(self, flat: FlatParameter) -> bool:

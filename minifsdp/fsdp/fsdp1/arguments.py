@@ -70,15 +70,19 @@ def resolve_groups(strategy: ShardingStrategy | None, reshard_after_forward,
 
 # --8<-- [start:hybrid]
 def resolve_hybrid(process_group, device_mesh):
-    """HYBRID_SHARD's two groups, (shard within, replicate across), as PyTorch FSDP1 takes them: a pair of
-    process groups (intra-node, inter-node), or a 2-D DeviceMesh whose dimensions are (replicate, shard)."""
-    if device_mesh is not None and process_group is None and device_mesh.ndim == 2:
+    """HYBRID_SHARD's two groups, (shard within, replicate across), as
+    PyTorch FSDP1 takes them: a pair of process groups (intra-node,
+    inter-node), or a 2-D DeviceMesh whose dimensions are (replicate, shard)."""
+    if (device_mesh is not None and process_group is None
+            and device_mesh.ndim == 2):
         return device_mesh.get_group(1), device_mesh.get_group(0)
-    if device_mesh is None and isinstance(process_group, tuple) and len(process_group) == 2:
+    if (device_mesh is None and isinstance(process_group, tuple)
+            and len(process_group) == 2):
         return process_group
-    raise ValueError("HYBRID_SHARD needs its two groups: device_mesh=<2-D DeviceMesh (replicate, shard)>, e.g. "
-                     "minifsdp.init_mesh((2, 2), ('replicate', 'shard')), or process_group=(shard group, "
-                     "replicate group)")
+    raise ValueError("HYBRID_SHARD needs its two groups: device_mesh=<2-D "
+                     "DeviceMesh (replicate, shard)>, e.g. minifsdp.init_mesh("
+                     "(2, 2), ('replicate', 'shard')), or process_group=(shard "
+                     "group, replicate group)")
 # --8<-- [end:hybrid]
 
 
@@ -121,7 +125,8 @@ class ReplicatedFlatParameter(FlatParameter):
     to free. The flat gradient is averaged over the replicate group (every
     rank) by one all-reduce, in flight while backward goes on, as DDP's."""
 
-    def __init__(self, places, requires_grad: bool = True, replicate_group=None):
+    def __init__(self, places, requires_grad: bool = True,
+                 replicate_group=None):
         super().__init__(places, requires_grad, group=this_rank_alone(),
                          replicate_group=replicate_group)
         # the views point into the one buffer for good
