@@ -52,7 +52,7 @@ def train(kind: str, optimizer: str):
     if kind == "naive":
         padded = sum(f.shard_numel * f.world_size for f in model.flat_params)
         return full_parameters(model), dict(sent.bytes), padded
-    return {k: v.clone() for k, v in net.named_parameters()}, None, None
+    return {k: v.clone() for k, v in net.named_parameters(remove_duplicate=False)}, None, None
 
 
 def cases():

@@ -33,8 +33,9 @@ class TrainingUnit(MixedPrecisionUnit):
     def __init__(self, module: nn.Module, *, param_init_fn=None,
                  device_id: torch.device | int | None = None, **options):
         self.param_init_fn, self.device_id = param_init_fn, device_id
-        self.deferred = any(t.is_meta for t in
-                            list(module.parameters()) + list(module.buffers()))
+        # built on the meta device? (not a module: refused by FSDPUnit)
+        self.deferred = isinstance(module, nn.Module) and any(
+            t.is_meta for t in [*module.parameters(), *module.buffers()])
         # False inside no_sync()
         self.requires_gradient_sync = True
         super().__init__(module, **options)
