@@ -163,8 +163,7 @@ handle = comm.all_reduce(full_grad, async_op=True, tag=f"reduce_scatter {self.na
     # Caught by test_ch05_flat_param.py::test_unshard_is_one_async_all_gather_into_the_buffer.
     "5.3": '''\
 _alloc_storage(self._full)
-plain = not self.offload and self.param_dtype == self._shard.dtype
-self._all_gather_input = self._shard if plain else self._cast_shard()
+self._all_gather_input = self.all_gather_input()
 gathered = torch.empty_like(self._full)
 self._unshard_handle = comm.all_gather(gathered, self._all_gather_input, async_op=True,
                                        tag=f"unshard {self.name}", group=self.group)

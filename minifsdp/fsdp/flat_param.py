@@ -309,6 +309,7 @@ class FlatParameter:
         return self.state is not ShardState.SHARDED
 
 
+# --8<-- [start:then_average]
 class _ThenAverageAcross:
     """HSDP's second step: once the reduce-scatter within the shard group is
     done, the gradient shard is averaged across the replicas. On gloo two
@@ -329,3 +330,4 @@ class _ThenAverageAcross:
         self._shard.mul_(1.0 / comm.world_size(self._group))
         comm.all_reduce(self._shard, tag=f"all_reduce {self._name}",
                         group=self._group)
+# --8<-- [end:then_average]

@@ -1,14 +1,15 @@
 """Chapter 6: which modules become units -- the wrap policies, and the walks over a wrapped model.
 
-    FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({Block}))
+    FSDPUnit(model, auto_wrap_policy=ModuleWrapPolicy({Block}))
 
 A policy is asked about every submodule, innermost first, and says whether it becomes a unit of its own
-(a FullyShardedDataParallel around it). Each unit owns the parameters of its subtree that no nested unit
+(a unit of the wrapping class around it). Each unit owns the parameters of its subtree that no nested unit
 owns: one FlatParameter, so one all-gather and one reduce-scatter per unit. What the root (the outermost
 unit) owns is whatever no policy claimed.
 
 The walks here stop at units: a unit's subtree belongs to it. A module is a unit when its class says so
-(`_fsdp_unit = True`, set by FullyShardedDataParallel), so nothing here needs the runtime itself.
+(`_fsdp_unit = True`, set by FSDPUnit), so nothing here needs the runtime itself. Two checks of
+wrapping live here too: what may be wrapped, and an optimizer built before wrapping.
 """
 
 from __future__ import annotations
