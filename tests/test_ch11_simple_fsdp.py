@@ -42,7 +42,7 @@ from minifsdp import comm, launch
 from minifsdp.train import OPTIMIZERS, build_model
 from per_world_size import PerWorldSize
 from test_ch11_fully_shard import (DDP_ATOL, LOSS_ATOL, MEMORY_CONFIG, MEMORY_N, MODELS, data, diff, loss_fn,
-                                   shard, shard_state, train, unsharded_buffers)
+                                   shard, shard_state, train, unsharded_buffers, warmed_up)
 
 WORLD_SIZES = (1, 2, 3, 4)
 CASES = [(model, opt) for model in ("gpt", "uneven", "frozen") for opt in ("sgd", "adamw")]
@@ -94,26 +94,20 @@ def collectives(kind):
     return {**out, **{str(op).split(".")[-1]: k for op, k in mode.get_comm_counts().items()}}
 
 
-def live_after_forward(kind, warmup=2):
-    """Live bytes on this rank at the end of forward (test_ch11_fully_shard's memory model and meter, a step
-    after `warmup`), under simple_fsdp or fully_shard."""
+def live_after_forward(kind):
+    """Live bytes on this rank at the end of forward (test_ch11_fully_shard's memory model and meter, the step
+    after 2 warm-up steps), under simple_fsdp or fully_shard."""
     from minifsdp import MemoryMeter
     from minifsdp.fsdp2 import simple_fsdp
     from minifsdp.models import TinyGPT
-    from minifsdp.train import batch, loss_of
+    from minifsdp.train import loss_of
 
     net = TinyGPT(MEMORY_CONFIG, seed=0)
     model = simple_fsdp(net) if kind == "simple" else shard(net, "ours")
-    opt = OPTIMIZERS["adamw"](model.parameters())
-    r, n = dist.get_rank(), dist.get_world_size()
-    for step in range(warmup):
-        loss_of("gpt", model, batch("gpt", step, 12, r, n, "cpu", MEMORY_CONFIG)).backward()
-        opt.step()
-        opt.zero_grad()
+    opt, tensors = warmed_up(model)
     meter = MemoryMeter(model, opt)
     if kind == "fully_shard":
         meter.watch(unsharded_buffers("ours", model), "params")
-    tensors = batch("gpt", warmup, 12, r, n, "cpu", MEMORY_CONFIG)
     with meter:
         loss = loss_of("gpt", model, tensors)
         meter.snapshot("after forward")

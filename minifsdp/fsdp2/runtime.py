@@ -23,6 +23,8 @@ Each module moves through chapter 6's TrainingState: IDLE -> FORWARD -> IDLE in 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_map
@@ -30,6 +32,9 @@ from torch.utils._pytree import tree_map
 from minifsdp.fsdp.flat_param import ShardState, sync_all_gathers
 from minifsdp.fsdp.runtime import TrainingState
 from minifsdp.fsdp2.param import FSDPParam, FSDPParamGroup
+
+if TYPE_CHECKING:  # (fully_shard.py imports this module)
+    from minifsdp.fsdp2.fully_shard import MixedPrecisionPolicy
 
 
 class _PostBackward(torch.autograd.Function):
@@ -50,7 +55,8 @@ class _PostBackward(torch.autograd.Function):
 class FSDPState:
     """What fully_shard adds to one module: its parameter group, its options, its place in the step."""
 
-    def __init__(self, module: nn.Module, group: FSDPParamGroup, reshard_after_forward: bool, mp):
+    def __init__(self, module: nn.Module, group: FSDPParamGroup, reshard_after_forward: bool,
+                 mp: MixedPrecisionPolicy):
         self.module, self.group, self.mp = module, group, mp
         self.reshard_after_forward = reshard_after_forward
         self.requires_gradient_sync = self.reshard_after_backward = True
@@ -67,8 +73,8 @@ class FSDPState:
 
     # --8<-- [start:hooks]
     def pre_forward(self, module, args, kwargs):
-        if self.root is None:
-            RootState(self)  # the first forward: this module is the root
+        if self.root is None:  # the first forward: this module is the root
+            self.root = RootState(self)
         if self.is_root:
             self.root.pre_forward()
         # (a forward recomputed inside backward keeps the backward's state)
@@ -159,7 +165,7 @@ class RootState:
     whether finish_backward is queued for this backward."""
 
     def __init__(self, state: FSDPState):
-        self.state = state
+        self.state = state  # the root module's own
         self.states = [m._fsdp for m in state.module.modules()
                        if isinstance(getattr(m, "_fsdp", None), FSDPState)]
         self.forward_order: list[FSDPState] = []
