@@ -30,9 +30,21 @@ from minifsdp.parallel import (ColumnParallelLinear, RowParallelLinear, VocabPar
 
 __version__ = "0.1.0"
 
+# chapter 11's API, for scripts written for torch's FSDP2 (`from minifsdp import fully_shard`); loaded when
+# first asked for, since it loads DTensor, which would add seconds to every rank's start
+_FSDP2 = ("CPUOffloadPolicy", "FSDPModule", "MixedPrecisionPolicy", "fully_shard", "replicate")
+
+
+def __getattr__(name: str):
+    if name in _FSDP2:
+        from minifsdp import fsdp2
+        return getattr(fsdp2, name)
+    raise AttributeError(f"module 'minifsdp' has no attribute {name!r}")
+
 __all__ = ["BackwardPrefetch", "CPUOffload", "MixedPrecision", "ShardedGradScaler", "Timeline", "DDP",
            "DistributedDataParallel", "FSDP", "FlatOSS", "FlatShardedDataParallel", "FullyShardedDataParallel",
            "ModuleWrapPolicy", "SizeBasedWrapPolicy", "get_full_state_dict", "set_full_state_dict", "GPTConfig",
            "MemoryMeter", "OSS", "RankFailedError", "SDP", "ShardedDataParallel", "TinyGPT", "ToyModel",
            "all_reduce_by_parts", "analytic", "comm", "current_device", "gpt_batch", "launch", "rank_pool", "toy_batch",
-           "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "vocab_parallel_cross_entropy"]
+           "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "vocab_parallel_cross_entropy",
+           "CPUOffloadPolicy", "FSDPModule", "MixedPrecisionPolicy", "fully_shard", "replicate"]

@@ -80,13 +80,13 @@ def flat_cases():
         flat.reshard()
         out["freed"] = before - meter.live()["other"]
         # a prefetch (chapter 7): unshard(async_op=True) only starts the all-gather; nothing is waited for
-        # until wait_unshard(), and the all-gather lands in the buffer itself, with no second one beside it
+        # until wait_for_unshard(), and the all-gather lands in the buffer itself, with no second one beside it
         meter.reset_peak()
         before = meter.live()["total"]
         with comm.counting(record=True) as sent:
             flat.unshard(async_op=True)
             out["prefetch"] = (flat.state, [w.tag for w in sent.waits])
-            flat.wait_unshard()
+            flat.wait_for_unshard()
         out["prefetch_peak"] = meter.peak - before
         out["prefetch_views_equal"] = torch.equal(m[1].bias, originals["1.bias"])
         flat.reshard()

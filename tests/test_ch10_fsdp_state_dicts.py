@@ -37,7 +37,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from minifsdp import launch
 from minifsdp.distributed import comm
 from minifsdp.fsdp import FSDP, FullStateDictConfig, ModuleWrapPolicy, ShardedStateDictConfig, StateDictType
-from minifsdp.fsdp.api import FullOptimStateDictConfig
+from minifsdp.fsdp import FullOptimStateDictConfig
 from minifsdp.fsdp.state_dict import _all_units_at_once
 from minifsdp.models import Block, GPTConfig, TinyGPT
 from minifsdp.reports.state_dict_memory import measure_state_dict_memory

@@ -428,20 +428,26 @@ def unsharded_buffers(impl, model):
     return out
 
 
-def peak_run(impl, warmup=2):
-    """The peak of one AdamW step after `warmup` steps (the optimizer state exists: the steady state)."""
-    from minifsdp import MemoryMeter
-
-    model = shard(TinyGPT(MEMORY_CONFIG, seed=0), impl)
+def warmed_up(model, warmup=2):
+    """AdamW over `model` after `warmup` steps of the memory model (the optimizer state exists: the steady
+    state), and the batch of the next step."""
     opt = OPTIMIZERS["adamw"](model.parameters())
     r, n = dist.get_rank(), dist.get_world_size()
     for step in range(warmup):
         loss_of("gpt", model, batch("gpt", step, 12, r, n, "cpu", MEMORY_CONFIG)).backward()
         opt.step()
         opt.zero_grad()
+    return opt, batch("gpt", warmup, 12, r, n, "cpu", MEMORY_CONFIG)
+
+
+def peak_run(impl):
+    """The peak of one AdamW step after 2 warm-up steps."""
+    from minifsdp import MemoryMeter
+
+    model = shard(TinyGPT(MEMORY_CONFIG, seed=0), impl)
+    opt, tensors = warmed_up(model)
     meter = MemoryMeter(model, opt)
     meter.watch(unsharded_buffers(impl, model), "params")
-    tensors = batch("gpt", warmup, 12, r, n, "cpu", MEMORY_CONFIG)
     meter.reset_peak()
     with meter:
         loss_of("gpt", model, tensors).backward()

@@ -580,7 +580,7 @@ def _backward_timeline(mode: str, units=(3, 2, 1), t_compute=4, t_all_gather=2, 
     t = 0
     for i, unit in enumerate(units):
         following = units[i + 1] if i + 1 < len(units) else None
-        if unit not in arrived:                               # _pre_backward: its own unshard(async_op=True)
+        if unit not in arrived:                               # pre_backward: its own unshard(async_op=True)
             arrived[unit] = issue("AG", unit, t)
         if mode == "BACKWARD_PRE" and following is not None:  # ... then the prefetch, before waiting for its own
             arrived[following] = issue("AG", following, t)
@@ -589,7 +589,7 @@ def _backward_timeline(mode: str, units=(3, 2, 1), t_compute=4, t_all_gather=2, 
             t = arrived[unit]
         compute.append(("compute", unit, t, t + t_compute))
         t += t_compute
-        if mode == "BACKWARD_POST" and following is not None:  # _post_backward: ahead of its reduce_scatter
+        if mode == "BACKWARD_POST" and following is not None:  # post_backward: ahead of its reduce_scatter
             arrived[following] = issue("AG", following, t)
         issue("RS", unit, t)
     return compute, channel

@@ -163,8 +163,7 @@ handle = comm.all_reduce(full_grad, async_op=True, tag=f"reduce_scatter {self.na
     # Caught by test_ch05_flat_param.py::test_unshard_is_one_async_all_gather_into_the_buffer.
     "5.3": '''\
 _alloc_storage(self._full)
-plain = not self.offload and self.param_dtype == self._shard.dtype
-self._all_gather_input = self._shard if plain else self._cast_shard()
+self._all_gather_input = self.all_gather_input()
 gathered = torch.empty_like(self._full)
 self._unshard_handle = comm.all_gather(gathered, self._all_gather_input, async_op=True,
                                        tag=f"unshard {self.name}", group=self.group)
@@ -179,22 +178,20 @@ full_grad = flat.param.grad
 flat.param.grad = None
 handle, grad_shard = flat.reduce_scatter_grad(full_grad)
 handle.wait()
-self._root_unit._pending.append((flat, handle, grad_shard, full_grad))
-flat.reshard()
-self._root_unit._retire_finished()
+self.root_state.pending.append((flat, handle, grad_shard, full_grad))
+self._reshard([flat])
+self.root_state.retire_finished()
 ''',
 
     # Every unit's all-gather started by the first hook of backward: the same bytes and values, but every
     # unit's full parameters are alive at once, from the start of backward -- a ZeRO-3 that keeps all of them.
     # Caught by test_ch06_fsdp.py::test_backward_unshards_each_unit_just_before_its_own_compute.
     "6.2": '''\
-if not root._callback_queued:
-    root._callback_queued = True
-    torch.autograd.Variable._execution_engine.queue_callback(root._finish_backward)
-    for unit in root.units():
-        for flat in unit.flat_params:
-            flat.unshard(async_op=True)
-for flat in self.flat_params:
-    flat.unshard(async_op=True)
+if not state.callback_queued:
+    state.callback_queued = True
+    torch.autograd.Variable._execution_engine.queue_callback(state.root.finish_backward)
+    for unit in state.root.units():
+        unit._start_unshard()
+self._start_unshard()
 ''',
 }

@@ -28,7 +28,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from minifsdp.checkpoint.flat_chunks import flat_piece
 from minifsdp.ddp.ddp import DistributedDataParallel
-from minifsdp.fsdp.fsdp import FullyShardedDataParallel
+from minifsdp.fsdp import FullyShardedDataParallel
 from minifsdp.fsdp.state_dict import original_names, sharded_pieces
 from minifsdp.fsdp.wrap import names_without_wrappers
 from minifsdp.zero.flat import FlatOSS
@@ -103,7 +103,7 @@ def slots(model: nn.Module, optimizer) -> list[Slot]:
                     flat, first = by_flat[id(p)]
                     out.append(Slot(p, optimizer.state, _flat_pieces(
                         first, flat.shapes, flat.offsets, flat.rank * flat.shard_numel, flat.shard_numel,
-                        flat.group, flat.sharded)))
+                        flat.group, flat.uses_sharded_strategy)))
                 else:
                     out.append(Slot(p, optimizer.state, _whole(plain[id(p)])))
         return out

@@ -34,7 +34,7 @@ from typing import NamedTuple
 import torch
 
 from minifsdp.distributed import comm
-from minifsdp.fsdp.api import StateDictType, optim_config_of
+from minifsdp.fsdp.fsdp1.state_dict_types import StateDictType, optim_config_of
 from minifsdp.fsdp.state_dict import original_names
 from minifsdp.fsdp.wrap import names_without_wrappers
 
@@ -130,7 +130,7 @@ def _unflatten(flat, names: list[str], held: dict, offload_to_cpu: bool, keep: b
 
 def _all_gather(flat, shard: torch.Tensor) -> torch.Tensor:
     """The full flat tensor (padding included) of a state tensor laid out as this unit's shard."""
-    if not flat.sharded:  # NO_SHARD: every rank holds all of it
+    if not flat.uses_sharded_strategy:  # NO_SHARD: every rank holds all of it
         return shard
     device = flat._full.device  # where the unit's all-gathers run (the state may live in host memory)
     whole = torch.empty(flat.shard_numel * flat.world_size, dtype=shard.dtype, device=device)

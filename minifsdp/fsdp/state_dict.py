@@ -21,7 +21,7 @@ from typing import NamedTuple
 import torch
 
 from minifsdp.distributed import comm
-from minifsdp.fsdp.flat_param import sync_all_gathers
+from minifsdp.fsdp.streams import sync_all_gathers
 from minifsdp.fsdp.wrap import names_without_wrappers
 
 
@@ -227,7 +227,7 @@ def sharded_pieces(unit) -> dict:
     for flat, _, every in original_names(unit):
         shard, start = flat.param.detach(), flat.rank * flat.shard_numel
         made = [flat_piece(shard, start, flat.shard_numel, offset, shape,
-                           flat.group, flat.sharded)
+                           flat.group, flat.uses_sharded_strategy)
                 for shape, offset in zip(flat.shapes, flat.offsets)]
         # a tied one: under each name
         out.update({name: made[i] for name, i in every if made[i] is not None})
@@ -301,7 +301,7 @@ def _between_steps(unit, kind: str = "SHARDED_STATE_DICT") -> None:
     """The shards are what these state dicts hold: refused while a unit holds
     its full parameters, or its originals stand in for its flat parameter
     (summon_full_params)."""
-    if any((flat.sharded and flat.is_unsharded) or u._summoned
+    if any((flat.uses_sharded_strategy and flat.is_unsharded) or u._summoned
            for u in unit.units() for flat in u.flat_params):
         raise RuntimeError(f"{kind}: a unit holds its full parameters now "
                            "(inside a training step, or summon_full_params): "

@@ -1,23 +1,26 @@
 """Chapter 6: which modules become units -- the wrap policies, and the walks over a wrapped model.
 
-    FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({Block}))
+    FSDPUnit(model, auto_wrap_policy=ModuleWrapPolicy({Block}))
 
 A policy is asked about every submodule, innermost first, and says whether it becomes a unit of its own
-(a FullyShardedDataParallel around it). Each unit owns the parameters of its subtree that no nested unit
+(a unit of the wrapping class around it). Each unit owns the parameters of its subtree that no nested unit
 owns: one FlatParameter, so one all-gather and one reduce-scatter per unit. What the root (the outermost
 unit) owns is whatever no policy claimed.
 
 The walks here stop at units: a unit's subtree belongs to it. A module is a unit when its class says so
-(`_fsdp_unit = True`, set by FullyShardedDataParallel), so nothing here needs the runtime itself.
+(`_fsdp_unit = True`, set by FSDPUnit), so nothing here needs the runtime itself. Two checks of
+wrapping live here too: what may be wrapped, and an optimizer built before wrapping.
 """
 
 from __future__ import annotations
 
-import inspect
+import gc
 from typing import Callable
 
 import torch
 import torch.nn as nn
+
+from minifsdp.ddp.ddp import require_module
 
 
 # --8<-- [start:policies]
@@ -42,49 +45,6 @@ class SizeBasedWrapPolicy:
     def __call__(self, module: nn.Module, unowned_numel: int) -> bool:
         return unowned_numel >= self.min_num_params
 # --8<-- [end:policies]
-
-
-def as_policy(policy):
-    """A policy of PyTorch's FSDP1 works too, so a script written for it runs with the import changed:
-    size_based_auto_wrap_policy and transformer_auto_wrap_policy (through functools.partial) and its
-    ModuleWrapPolicy are asked (module, recurse, nonwrapped_numel) -- first, with recurse=True, whether to
-    look inside the module at all; then, with recurse=False, whether to wrap it. Ours are asked the second
-    question only, and always looked inside."""
-    try:
-        torch_style = "recurse" in inspect.signature(policy).parameters
-    except (TypeError, ValueError):  # a callable without a signature: take it as ours
-        torch_style = False
-    return _TorchPolicy(policy) if torch_style else policy
-
-
-def with_full_precision_units(policy, classes: tuple):
-    """PyTorch FSDP1's MixedPrecision(_module_classes_to_ignore=classes) under an auto_wrap_policy: every module
-    of these classes is wrapped, whatever `policy` says, and every subtree is looked inside to find them
-    (FSDP1's _or_policy with _wrap_module_cls_individually). The runtime makes those units without mixed
-    precision (chapter 8)."""
-    return _OrClasses(policy, tuple(classes))
-
-
-class _OrClasses:
-    def __init__(self, policy, classes: tuple):
-        self.policy, self.classes = policy, classes
-
-    def recurse(self, module: nn.Module, nonwrapped_numel: int) -> bool:
-        return True
-
-    def __call__(self, module: nn.Module, unowned_numel: int) -> bool:
-        return isinstance(module, self.classes) or self.policy(module, unowned_numel)
-
-
-class _TorchPolicy:
-    def __init__(self, fn):
-        self.fn = fn
-
-    def recurse(self, module: nn.Module, nonwrapped_numel: int) -> bool:
-        return self.fn(module=module, recurse=True, nonwrapped_numel=nonwrapped_numel)
-
-    def __call__(self, module: nn.Module, unowned_numel: int) -> bool:
-        return self.fn(module=module, recurse=False, nonwrapped_numel=unowned_numel)
 
 
 def is_unit(module: nn.Module) -> bool:
@@ -198,3 +158,45 @@ def names_without_wrappers(module: nn.Module, prefix: str = ""):
         if is_unit(child):
             child = child.module
         yield from names_without_wrappers(child, prefix + name + ".")
+
+
+def check_wrappable(module, auto_wrap_policy) -> None:
+    """What cannot be wrapped is refused now, with what to do instead."""
+    # (units nested inside are allowed, unlike DDP)
+    require_module(module, "FullyShardedDataParallel")
+    if is_unit(module) or getattr(module, "_fsdp_wrapped", False):
+        raise ValueError(f"{type(module).__name__} is already wrapped in "
+                         "FullyShardedDataParallel; wrap each module once "
+                         "(nested units come from auto_wrap_policy)")
+    if auto_wrap_policy is not None and not callable(auto_wrap_policy):
+        hint = (f" (for classes, ModuleWrapPolicy({auto_wrap_policy!r}))"
+                if isinstance(auto_wrap_policy, (set, list, tuple)) else "")
+        raise TypeError(f"auto_wrap_policy must be a policy such as "
+                        f"ModuleWrapPolicy({{Block}}) or "
+                        f"SizeBasedWrapPolicy(min_num_params=...), got "
+                        f"{auto_wrap_policy!r}{hint}")
+
+
+# --8<-- [start:refuse_stale]
+def refuse_stale_optimizers(root: nn.Module) -> None:
+    """An optimizer built before wrapping holds the original parameters, which
+    now hold nothing: it would step nothing, silently. Asked once, at the
+    root's first forward: is any original still held in an optimizer's
+    param_groups? (A look at what refers to them -- no cost to any optimizer's
+    step.)"""
+    originals = [p for u in root.units() for flat in u.flat_params
+                 for ref in flat._originals
+                 if (p := ref()) is not None]
+    if not originals:
+        return
+    holders = [r for r in gc.get_referrers(*originals) if isinstance(r, list)]
+    groups = [g for g in gc.get_referrers(*holders)
+              if isinstance(g, dict)
+              and any(g.get("params") is h for h in holders)]
+    if groups:
+        raise RuntimeError("an optimizer holds parameters that "
+                           "FullyShardedDataParallel has since flattened into "
+                           "its shards, so it would train nothing: build the "
+                           "optimizer after wrapping, over the wrapped model's "
+                           "parameters()")
+# --8<-- [end:refuse_stale]

@@ -7,21 +7,9 @@
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)   # DTensors, with their own names
     loss = model(x, y); loss.backward(); optimizer.step()
 
-fully_shard(module) shards the module's parameters (those no inner fully_shard took), swaps the module's
-class for one that also derives from FSDPModule (unshard, reshard, the prefetch lists, ...), and adds four
-hooks. Chapter 6's runtime, with the same idea at each of them:
-
-    pre-forward    unshard (all-gather; copy-out), then start the all-gathers of the modules listed with
-                   set_modules_to_forward_prefetch; the root (the outermost, found at the first forward)
-                   also starts the step's bookkeeping
-    post-forward   reshard, unless reshard_after_forward=False or this is the root (the root's parameters are
-                   the first backward needs); a hook on each output runs pre-backward when its gradient comes
-    pre-backward   unshard again, and start the all-gather of the module that ran forward just before this
-                   one, which backward needs next (or those listed with set_modules_to_backward_prefetch)
-    post-backward  once the gradients of the module's inputs are computed (an autograd function wraps the
-                   inputs), all of its parameters' gradients are in: reduce-scatter them, reshard. A module
-                   whose inputs need no gradient (the root: token ids) is finished by the root's callback at
-                   the end of backward.
+fully_shard(module) shards the module's parameters (those no inner fully_shard took: param.py), swaps the
+module's class for one that also derives from FSDPModule (unshard, reshard, the prefetch lists, ...), and
+registers the runtime's forward hooks (runtime.py: FSDPState, the hooks, the root's RootState).
 """
 
 from __future__ import annotations
@@ -30,11 +18,10 @@ import dataclasses
 
 import torch
 import torch.nn as nn
-from torch.utils._pytree import tree_map
 
 from minifsdp.distributed import comm
-from minifsdp.fsdp.flat_param import sync_all_gathers
 from minifsdp.fsdp2.param import FSDPParam, FSDPParamGroup
+from minifsdp.fsdp2.runtime import FSDPState
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,164 +56,6 @@ class UnshardHandle:
         self._group.wait_for_unshard()
 
 
-class _PostBackward(torch.autograd.Function):
-    """Wraps a module's inputs: its backward runs once their gradients are computed, that is once the
-    module's own backward is done, and all of its parameters' gradients are in."""
-
-    @staticmethod
-    def forward(ctx, state, *inputs):
-        ctx.state = state
-        return inputs
-
-    @staticmethod
-    def backward(ctx, *grads):
-        ctx.state.post_backward()
-        return (None,) + grads
-
-
-class _State:
-    """What fully_shard adds to one module: its parameter group, its options, its place in the step."""
-
-    def __init__(self, module: nn.Module, group: FSDPParamGroup, reshard_after_forward: bool,
-                 mp: MixedPrecisionPolicy):
-        self.module, self.group, self.mp = module, group, mp
-        self.reshard_after_forward = reshard_after_forward
-        self.forward_prefetch, self.backward_prefetch = [], None  # None: implicit (the previous in forward)
-        self.requires_gradient_sync, self.reshard_after_backward = True, True
-        self.root = None          # the root's state, set at the first forward
-        self.order = []           # (root only) the states in the order their forwards ran, this step
-        self.callback_queued, self.is_last_backward = False, True
-        self.backward_started = self.backward_done = False
-
-    # --8<-- [start:hooks]
-    def pre_forward(self, module, args, kwargs):
-        if self.root is None:
-            self._lazy_init()
-        # on a GPU: the all-gathers read shards the compute stream last wrote
-        if self.root is self:
-            sync_all_gathers(self.group.params[0].padded.device
-                             if self.group.params else torch.device("cpu"))
-        if self.root is self and torch.is_grad_enabled():
-            self.order.clear()  # a new step
-            for s in self.subtree:
-                s.backward_started = s.backward_done = False
-        self.group.unshard()
-        self.group.wait_for_unshard()
-        for m in self.forward_prefetch:
-            m._fsdp.group.unshard(async_op=True)
-        if self.mp.param_dtype is not None and self.mp.cast_forward_inputs:
-            args, kwargs = tree_map(lambda t: _cast(t, self.mp.param_dtype),
-                                    (args, kwargs))
-        if torch.is_grad_enabled():
-            self.root.order.append(self)
-            args, kwargs = _wrap_inputs(self, args, kwargs)
-        return args, kwargs
-
-    def post_forward(self, module, args, output):
-        if self.reshard_after_forward and self.root is not self:
-            self.group.reshard()
-        if self.mp.output_dtype is not None:
-            output = tree_map(lambda t: _cast(t, self.mp.output_dtype), output)
-        if torch.is_grad_enabled():
-            for t in _tensors(output):
-                if t.requires_grad:
-                    t.register_hook(self._pre_backward_hook)
-        return output
-
-    def _pre_backward_hook(self, grad):
-        self.pre_backward()
-        return grad
-
-    def pre_backward(self) -> None:
-        if self.backward_started:
-            return
-        self.backward_started = True
-        # once per backward: the root's end-of-backward callback
-        if not self.root.callback_queued:
-            torch.autograd.Variable._execution_engine.queue_callback(
-                self.root._end_of_backward)
-            self.root.callback_queued = True
-        self.group.unshard()
-        self.group.wait_for_unshard()
-        for s in self._backward_prefetch_targets():
-            s.group.unshard(async_op=True)
-
-    def _backward_prefetch_targets(self) -> list["_State"]:
-        if self.backward_prefetch is not None:
-            return [m._fsdp for m in self.backward_prefetch]
-        order = self.root.order
-        # (a module run twice: its last)
-        i = max((k for k, s in enumerate(order) if s is self), default=0)
-        # the module that ran forward just before: backward's next
-        return [order[i - 1]] if i > 0 else []
-
-    def post_backward(self) -> None:
-        if self.backward_done:
-            return
-        self.backward_done = True
-        grads = self.group.take_grads()
-        # set_requires_gradient_sync(False): add up, send nothing
-        if not self.requires_gradient_sync:
-            for p, g in grads:
-                p.accumulated = g if p.accumulated is None else p.accumulated + g
-            grads = []
-        else:  # what earlier backwards without sync kept is added in first
-            grads = [(p, g if p.accumulated is None else p.accumulated + g)
-                     for p, g in grads]
-            grads += [(p, p.accumulated) for p in self.group.params
-                      if p.accumulated is not None
-                      and all(p is not q for q, _ in grads)]
-            for p, _ in grads:
-                p.accumulated = None
-        # the parameters first: their memory goes before the reduce-scatter's
-        if self.reshard_after_backward:
-            self.group.reshard()
-        self.group.reduce_scatter_grads(grads)
-
-    def _end_of_backward(self) -> None:
-        """The root's callback: finish every module whose post-backward did not run
-        (its inputs needed no gradient, or it was not used), and make sure every
-        parameter is sharded again."""
-        for s in reversed(self.order):
-            if s.backward_started or s.group.is_unsharded:
-                s.post_backward()
-        for s in self.subtree:
-            if s.reshard_after_backward:
-                s.group.reshard()
-        self.callback_queued = False
-    # --8<-- [end:hooks]
-
-    def _lazy_init(self) -> None:
-        """At the first forward: this module is the root of every fully_shard module under it."""
-        self.subtree = [m._fsdp for m in self.module.modules() if isinstance(m, FSDPModule)]
-        for s in self.subtree:
-            if s.root is not None:
-                raise RuntimeError(f"fully_shard: {type(s.module).__name__} ran forward under two roots; "
-                                   f"call the outermost module")
-            s.root = self
-            for p in s.group.params:  # parameters replaced since fully_shard (to_empty after a meta build)
-                p.refresh_sharded()
-
-
-def _cast(t, dtype):
-    return t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
-
-
-def _tensors(tree) -> list[torch.Tensor]:
-    out = []
-    tree_map(lambda t: out.append(t) if isinstance(t, torch.Tensor) else None, tree)
-    return out
-
-
-def _wrap_inputs(state: _State, args, kwargs):
-    """Route the module's floating inputs that need a gradient through _PostBackward."""
-    flat = [t for t in _tensors((args, kwargs)) if t.requires_grad]
-    if not flat:
-        return args, kwargs
-    wrapped = dict(zip(map(id, flat), _PostBackward.apply(state, *flat)))
-    return tree_map(lambda t: wrapped.get(id(t), t) if isinstance(t, torch.Tensor) else t, (args, kwargs))
-
-
 # --8<-- [start:module]
 class FSDPModule:
     """Mixed into the class of every module fully_shard has been applied to
@@ -250,13 +79,13 @@ class FSDPModule:
                                         modules: list["FSDPModule"]) -> None:
         """In this module's pre-forward, also start these modules' all-gathers
         (explicit forward prefetch)."""
-        self._fsdp.forward_prefetch = list(modules)
+        self._fsdp.forward_prefetch = [m._fsdp for m in modules]
 
     def set_modules_to_backward_prefetch(self,
                                          modules: list["FSDPModule"]) -> None:
         """In this module's pre-backward, start these modules' all-gathers
         instead of the implicit one."""
-        self._fsdp.backward_prefetch = list(modules)
+        self._fsdp.backward_prefetch = [m._fsdp for m in modules]
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *,
                                    recurse: bool = True) -> None:
@@ -279,9 +108,11 @@ class FSDPModule:
                 m._fsdp.reshard_after_forward = reshard_after_forward
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
-        """Kept for scripts written for torch: its collectives here are waited
-        for in backward anyway."""
-        self._fsdp.is_last_backward = is_last_backward
+        """Accepted, for scripts written for torch, and stores nothing. Torch
+        uses it to leave the last reduce-scatters of a backward unwaited when
+        more backwards follow before the step; here each reduce-scatter is
+        waited for inside its own post_backward, so there is nothing to
+        leave."""
 # --8<-- [end:module]
 
 
@@ -321,7 +152,7 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool = T
     params = [FSDPParam(where, mesh, comm.rank(group), comm.world_size(group)) for where in places.values()]
     param_group = FSDPParamGroup(params, group, mp_policy.param_dtype, mp_policy.reduce_dtype,
                                  name=type(module).__name__, replicate_group=across)
-    state = _State(module, param_group, reshard_after_forward, mp_policy)
+    state = FSDPState(module, param_group, reshard_after_forward, mp_policy)
     module._fsdp = state
     module.__class__ = _fsdp_class(type(module))
     module.register_forward_pre_hook(state.pre_forward, with_kwargs=True)

@@ -34,7 +34,8 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from minifsdp.distributed import comm
-from minifsdp.fsdp.flat_param import _alloc_storage, _free_storage, _side_stream
+from minifsdp.fsdp.flat_param import ShardState, _alloc_storage, _free_storage
+from minifsdp.fsdp.streams import side_stream
 
 
 # --8<-- [start:shard]
@@ -78,7 +79,7 @@ class FSDPParam:
         # the nn.Parameter the module computes with between unshard and reshard
         self.unsharded = None
         # unsharded gradients added up while gradient sync is off
-        self.accumulated = None
+        self.unsharded_grad = None
         self.show(self.sharded)
 
     def alloc_unsharded(self, dtype: torch.dtype) -> torch.Tensor:
@@ -168,20 +169,27 @@ class FSDPParamGroup:
         self.replicate_group = replicate_group  # HSDP: the same shard on other groups, averaged with them
         self.world_size, self.rank = comm.world_size(group), comm.rank(group)
         self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
-        self.is_unsharded = False
-        self._gather = None  # (output buffer, handle) of an all-gather in flight
+        # chapter 5's three states: SHARDED, UNSHARDING (the all-gather in
+        # flight, into _all_gather_output), UNSHARDED
+        self.state = ShardState.SHARDED
+        self._all_gather_output = self._unshard_handle = None
+
+    @property
+    def device(self) -> torch.device:
+        """Where the shards live (the all-gathers' device)."""
+        return self.params[0].padded.device if self.params else torch.device("cpu")
 
     # --8<-- [start:unshard]
     def unshard(self, async_op: bool = False) -> None:
         """All-gather every parameter's shard in one collective. Copy-in: the padded
         shards end to end, into this rank's own slot of the output, so that no
         separate input buffer is needed."""
-        if self.is_unsharded or self._gather is not None or not self.params:
+        if self.state is not ShardState.SHARDED or not self.params:
             return
         dtype = self.param_dtype or self.params[0].padded.dtype
         total = sum(p.padded_numel for p in self.params)
         # (a GPU's: chapter 7)
-        with _side_stream("all_gather", self.params[0].padded, after_compute=False):
+        with side_stream("all_gather", self.params[0].padded, after_compute=False):
             out = self.params[0].padded.new_empty(total * self.world_size,
                                                   dtype=dtype)
             # in place: this rank's slot is the input
@@ -194,7 +202,8 @@ class FSDPParamGroup:
             handle = comm.all_gather(out, inp, async_op=True,
                                      tag=f"all_gather {self.name}",
                                      group=self.group)
-        self._gather = (out, handle)
+        self._all_gather_output, self._unshard_handle = out, handle
+        self.state = ShardState.UNSHARDING
         if not async_op:
             self.wait_for_unshard()
 
@@ -202,10 +211,10 @@ class FSDPParamGroup:
         """Copy-out: rank q's slot of the output holds its shard of every parameter,
         in order; parameter i's rows from every slot, stacked, are i's unsharded
         tensor (padding rows cut off)."""
-        if self._gather is None:
+        if self.state is not ShardState.UNSHARDING:
             return
-        out, handle = self._gather
-        handle.wait()
+        out = self._all_gather_output
+        self._unshard_handle.wait()
         slots = out.view(self.world_size, -1)  # row q: rank q's shards, end to end
         offset = 0
         for p in self.params:
@@ -222,17 +231,18 @@ class FSDPParamGroup:
             out.record_stream(torch.cuda.current_stream(out.device))
         # copied out: the all-gather's buffer goes now, not when gloo lets go of it
         comm.release(out)
-        self._gather, self.is_unsharded = None, True
+        self._all_gather_output = self._unshard_handle = None
+        self.state = ShardState.UNSHARDED
     # --8<-- [end:unshard]
 
     def reshard(self) -> None:
         """Back to the shards: the module's parameters are the DTensors again, the unsharded ones freed."""
-        if self._gather is not None:
+        if self.state is ShardState.UNSHARDING:  # never free what is being written
             self.wait_for_unshard()
         for p in self.params:
             p.show(p.sharded)
             p.free_unsharded()
-        self.is_unsharded = False
+        self.state = ShardState.SHARDED
 
     # --8<-- [start:reduce]
     def take_grads(self) -> list[tuple[FSDPParam, torch.Tensor]]:

@@ -262,10 +262,7 @@ class DeviceLag(AllGatherLimiter):
 
 def _install_device_lag(wrapped, meter: MemoryMeter, limit_all_gathers: bool) -> DeviceLag:
     lag = DeviceLag(meter, limit=2 if limit_all_gathers else math.inf)
-    wrapped._limiter = lag
-    for unit in wrapped.units():
-        for flat in unit.flat_params:
-            flat.limiter = lag
+    wrapped.root_state.limiter = lag  # the one every unit of the model shares
     return lag
 
 

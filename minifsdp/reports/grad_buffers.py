@@ -53,9 +53,9 @@ def unit_gradient_buffers() -> dict:
     def concat_done(grad_inputs, grad_outputs):  # the flat gradient exists; the pieces are still alive
         peaks["concat"] = meter.category_peak["other"]
 
-    def waited(grad_shard, copy_out=flat.grad_for_optimizer):  # called once the wait returns
+    def waited(grad_shard, read_now=False, copy_out=flat.grad_for_optimizer):  # once the wait returns
         peaks["reduce_scatter"] = meter.category_peak["other"]
-        return copy_out(grad_shard)
+        return copy_out(grad_shard, read_now)
 
     flat.grad_for_optimizer = waited
     flat.param.register_post_accumulate_grad_hook(lambda p: meter.reset_peak())  # runs after the runtime's
