@@ -283,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
                              seq_len=args.seq_len, micro_batch=args.micro_batch, markdown=args.markdown,
                              published=args.published, calibrate=not args.no_calibrate)
     elif args.command == "simulate":
-        from minifsdp.measure.simulate import run_simulate
+        from minifsdp.reports.simulate import run_simulate
         try:
             run_simulate(models=args.models, world_sizes=args.world_sizes, strategies=args.strategies,
                          precision=args.precision, seq_len=args.seq_len, micro_batch=args.micro_batch,

@@ -38,7 +38,7 @@ from minifsdp.parallel import (PipelineStage, Schedule1F1B, ScheduleInterleaved1
                                split_gpt, stages_of_rank)
 from minifsdp.parallel.compose import allreduce_gradients
 from minifsdp.parallel.mappings import full_tensor
-from minifsdp.reports.parallel import tp_step_bytes_formula
+from minifsdp.reports.parallel.tp import tp_step_bytes_formula
 from minifsdp.train import OPTIMIZERS
 
 STEPS, BATCH, MICRO = 3, 8, 2

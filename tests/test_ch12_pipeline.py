@@ -40,9 +40,10 @@ from minifsdp.distributed import comm
 from minifsdp.measure.pipeline_timeline import (bubble_formula, bubble_fractions, in_flight_peak, in_flight_peaks,
                                                 pipeline_actions, plot_pipeline, simulate)
 from minifsdp.models import GPTConfig, TinyGPT, gpt_batch
-from minifsdp.parallel.pipeline import (BACKWARD, FORWARD, Action, PipelineStage, Schedule1F1B, ScheduleGPipe,
-                                        ScheduleInterleaved1F1B, gpipe_order, gpt_loss, interleaved_order,
-                                        one_f_one_b_order, split_gpt, stages_of_rank)
+from minifsdp.parallel.pipeline import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from minifsdp.parallel.pipeline_orders import (BACKWARD, FORWARD, Action, gpipe_order, interleaved_order,
+                                               one_f_one_b_order, stages_of_rank)
+from minifsdp.parallel.pipeline_stage import PipelineStage, gpt_loss, split_gpt
 from minifsdp.train import OPTIMIZERS
 
 CONFIG = GPTConfig(n_layer=8, n_embd=16, n_head=2, block_size=8, vocab_size=96)

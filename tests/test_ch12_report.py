@@ -1,4 +1,4 @@
-"""Chapter 12's report (minifsdp/reports/parallel.py, `python -m minifsdp parallel`) at tiny sizes: its tables
+"""Chapter 12's report (minifsdp/reports/parallel/, `python -m minifsdp parallel`) at tiny sizes: its tables
 hold what the ranks measured, and those numbers are the formulas' (the chapter's own tests prove the mechanisms;
 this only checks that the report measures and prints them). A smoke test: times are printed, never checked.
 Model states: 16 bytes per parameter a rank holds, and 4 per tensor for AdamW's step counters.
@@ -14,6 +14,7 @@ import pytest
 
 from minifsdp.models import GPTConfig, TinyGPT
 from minifsdp.reports import parallel as report
+from minifsdp.reports.parallel import compare, overlap, pp, tp
 
 TINY = GPTConfig(n_layer=4, n_embd=16, n_head=4, vocab_size=32, block_size=8)
 
@@ -21,7 +22,7 @@ TINY = GPTConfig(n_layer=4, n_embd=16, n_head=4, vocab_size=32, block_size=8)
 @pytest.mark.exercise("12.1", "12.3")
 def test_tp_table_measures_the_formulas():
     b = 2
-    rows = report.tp_results(world_sizes=(2,), config=TINY, b=b)
+    rows = tp.tp_results(world_sizes=(2,), config=TINY, b=b)
     row, = rows
     assert row["param_bytes"] == row["param_theory"]
     for sp in (False, True):
@@ -30,7 +31,7 @@ def test_tp_table_measures_the_formulas():
     assert row[("ln_region", False)] == row["ln_region_theory"] == 2 * row[("ln_region", True)]
     # everything outside the LayerNorm region is already split by t: sequence parallelism leaves it alone
     assert row[("saved", False)] - row[("ln_region", False)] == row[("saved", True)] - row[("ln_region", True)]
-    table = report.tp_table(rows, config=TINY, b=b)
+    table = tp.tp_table(rows, config=TINY, b=b)
     assert f"| 2 | {row['param_bytes']:,} | {row['param_theory']:,} |" in table
     assert f"| 2 | {row[('bytes', False)]:,.0f} | {row[('bytes_theory', False)]:,.0f} |" in table
     assert "| 1/2 |" in table
@@ -39,8 +40,8 @@ def test_tp_table_measures_the_formulas():
 @pytest.mark.exercise("12.2", "12.4")
 def test_pp_table_and_gantt(tmp_path):
     p, m, batch, delays = 2, 4, 8, (0.020, 0.040)
-    results = report.pp_results(p=p, config=TINY, batch=batch, m=m, compute_time=delays)
-    assert list(results) == list(report.SCHEDULES)
+    results = pp.pp_results(p=p, config=TINY, batch=batch, m=m, compute_time=delays)
+    assert list(results) == list(pp.SCHEDULES)
     for name, r in results.items():
         assert r["in_flight"] == r["in_flight_predicted"], name
         assert r["sent"] == r["sent_formula"], name
@@ -48,18 +49,18 @@ def test_pp_table_and_gantt(tmp_path):
         assert all(a > 0 for a in r["activation_peak"]), name
     # GPipe holds every micro-batch, 1F1B at most p - r of them
     assert all(g > o for g, o in zip(results["GPipe"]["activation_peak"], results["1F1B"]["activation_peak"]))
-    table = report.pp_table(results, p=p, m=m, config=TINY, batch=batch, compute_time=delays)
+    table = pp.pp_table(results, p=p, m=m, config=TINY, batch=batch, compute_time=delays)
     assert f"{results['GPipe']['formula']:.3f}" in table
     assert table.count("| GPipe |") == 1 and table.count('=== "GPipe"') == 1
     assert table.count("\n    | ") == len(results) * (1 + p)  # a tab per schedule: its header and a row per rank
-    report.plot_gantt(results, str(tmp_path / "gantt.png"), p=p, m=m)
+    pp.plot_gantt(results, str(tmp_path / "gantt.png"), p=p, m=m)
     assert (tmp_path / "gantt.png").stat().st_size > 10_000
 
 
 @pytest.mark.exercise("12.1", "12.2", "12.3")
 def test_compare_table_every_contender_on_four_ranks():
-    results = report.compare_results(config=TINY, batch=16, steps=3)
-    assert list(results) == list(report.CONTENDERS)
+    results = compare.compare_results(config=TINY, batch=16, steps=3)
+    assert list(results) == list(compare.CONTENDERS)
     groups = {"DDP": {"dp"}, "FSDP": {"dp"}, "TP + SP": {"tp"}, "PP 1F1B": {"pp"}, "DP x TP": {"dp", "tp"},
               "PP x DP": {"dp", "pp"}}
     for name, r in results.items():
@@ -75,23 +76,23 @@ def test_compare_table_every_contender_on_four_ranks():
     psi = 4 * sum(p.numel() for p in TinyGPT(TINY, seed=0).parameters())
     assert results["DDP"]["bytes"]["dp"] == pytest.approx(2 * psi * 3 / 4)  # one all-reduce of the gradients
     assert results["DDP"]["time_ratio"] == 1.0
-    table = report.compare_table(results, config=TINY, batch=16, steps=3)
-    assert table.count("\n| ") == 2 * (1 + len(report.CONTENDERS))  # the memory table, then bytes and time
+    table = compare.compare_table(results, config=TINY, batch=16, steps=3)
+    assert table.count("\n| ") == 2 * (1 + len(compare.CONTENDERS))  # the memory table, then bytes and time
 
 
 @pytest.mark.exercise("12.1", "12.3")
 def test_overlap_timelines_and_figure(tmp_path):
     config, b = GPTConfig(n_layer=2, n_embd=16, n_head=4, vocab_size=32, block_size=8), 2
-    results = report.overlap_results(config=config, b=b, reps=1)
-    assert list(results) == list(report.PATHS)
+    results = overlap.overlap_results(config=config, b=b, reps=1)
+    assert list(results) == list(overlap.PATHS)
     layers = ["lm_head", "blocks.1.fc", "blocks.1.attn.qkv", "blocks.0.fc", "blocks.0.attn.qkv"]  # backward's order
     sync, overlapped = results["synchronous"], results["async_grad_allreduce"]
     # async: each column layer's all-reduce issued before its weight-gradient matmul began, waited for after it ended
     assert overlapped["order"] == {layer: f"backward {layer} input gradient" for layer in layers}
     # synchronous: no all-reduce under any matmul; each issued after its layer's matmuls, done before the next's
     assert sync["order"] == dict.fromkeys(layers)
-    matmuls = report.matmul_spans(sync["spans"])
-    collectives = [c for c, _ in report.input_gradient_collectives(sync["spans"])]
+    matmuls = overlap.matmul_spans(sync["spans"])
+    collectives = [c for c, _ in overlap.input_gradient_collectives(sync["spans"])]
     assert [layer for layer, _ in matmuls] == layers and len(collectives) == len(layers)
     for k, ((_, m), c) in enumerate(zip(matmuls, collectives)):
         assert m.end <= c.start, matmuls[k][0]
@@ -99,12 +100,12 @@ def test_overlap_timelines_and_figure(tmp_path):
     for name, r in results.items():
         assert r["backward"] > r["matmuls"] > 0 and r["all_reduce"] > 0 and 0 <= r["hidden"] <= 1, name
         assert r["blocked"] > 0, name  # (each all-reduce's call, at least)
-    table = report.overlap_table(results, config=config, b=b)
-    assert table.count("\n| ") == 1 + len(report.PATHS)
+    table = overlap.overlap_table(results, config=config, b=b)
+    assert table.count("\n| ") == 1 + len(overlap.PATHS)
     r = overlapped
     assert (f"| async_grad_allreduce | {r['backward'] * 1e3:.1f} ms | {r['matmuls'] * 1e3:.1f} ms | "
             f"{r['all_reduce'] * 1e3:.1f} ms | {r['blocked'] * 1e3:.1f} ms | {100 * r['hidden']:.0f}% |") in table
-    report.plot_overlap(results, str(tmp_path / "overlap.png"))
+    overlap.plot_overlap(results, str(tmp_path / "overlap.png"))
     assert (tmp_path / "overlap.png").stat().st_size > 10_000
 
 

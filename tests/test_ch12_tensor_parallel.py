@@ -82,7 +82,7 @@ from minifsdp.parallel import (ColumnParallelLinear, RowParallelLinear, TensorPa
                                full_tensor, vocab_parallel_cross_entropy)
 from minifsdp.parallel.mappings import copy_to_tensor_model_parallel_region, reduce_from_tensor_model_parallel_region
 from minifsdp.parallel.tp_gpt import ParallelBlock
-from minifsdp.reports.parallel import is_sp_region, saved_for_backward
+from minifsdp.reports.parallel.tp import is_sp_region, saved_for_backward
 from minifsdp.train import OPTIMIZERS, max_abs_diff
 from per_world_size import PerWorldSize
 

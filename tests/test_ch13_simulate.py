@@ -16,10 +16,11 @@ What is checked, each against exact figures (bytes are counts, not floating-poin
 import pytest
 import torch
 
-from minifsdp.measure.simulate import (MODELS, STAGES, Spec, checks, comm_totals, example_fsdp_notes,
-                                       example_limit_all_gathers, expected, simulate)
+from minifsdp.measure.simulate import MODELS, STAGES, Spec, comm_totals, expected, simulate
 from minifsdp.mixed_precision import MasterAdamW
 from minifsdp.models import LLAMA_CONFIGS, PUBLISHED_PARAMS, Llama, count_params, llama_param_count
+from minifsdp.reports.simulate import checks
+from minifsdp.reports.worked_examples import example_fsdp_notes, example_limit_all_gathers
 
 GB = 10**9
 TINY = dict(model="tiny", world_size=8, seq_len=32)

@@ -1,4 +1,4 @@
-"""Chapter 13: the step-time model (minifsdp/measure/step_time.py).
+"""Chapter 13: the step-time model (minifsdp/measure/step_time/).
 
 The alpha-beta formulas and the two-stream simulation are checked on cases worked by hand (exact, up to float
 rounding). The FSDP program the model builds is checked against the issue order of a real minifsdp step at two

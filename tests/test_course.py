@@ -32,9 +32,9 @@ import pytest
 from minifsdp.course import find_exercises, project_files, strip_solutions, write_student_copy
 from minifsdp.course import grade as grading
 from minifsdp.course.assemble import assemble, scan_regions
-from minifsdp.course.grade import (chapter_test_files, collect_reference, grade_all, grade_submission, plugin_dir,
-                                   run_pytest)
+from minifsdp.course.grade import chapter_test_files, collect_reference, grade_all, grade_submission
 from minifsdp.course.report import gradescope_results
+from minifsdp.course.runner import plugin_dir, run_pytest
 
 from early import Early
 

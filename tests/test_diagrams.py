@@ -190,7 +190,7 @@ def test_checkpoint_boxes_are_flat_chunks_boxes():
 def test_pipeline_order_and_times_are_the_schedules():
     pytest.importorskip("torch")
     from minifsdp.measure.pipeline_timeline import simulate
-    from minifsdp.parallel.pipeline import one_f_one_b_order
+    from minifsdp.parallel.pipeline_orders import one_f_one_b_order
 
     p, m = md.PIPELINE_P, md.PIPELINE_M
     orders = _exercise(lambda: [one_f_one_b_order(r, p, m) for r in range(p)], "12.2")

@@ -907,7 +907,7 @@ def tp_f_g() -> Canvas:
 
 
 # The 1F1B order of chapter 12's example, p = 4 stages, m = 8 micro-batches: each rank's actions, as
-# minifsdp.parallel.pipeline.one_f_one_b_order gives them (tests/test_diagrams.py checks it).
+# minifsdp.parallel.pipeline_orders.one_f_one_b_order gives them (tests/test_diagrams.py checks it).
 PIPELINE_P, PIPELINE_M = 4, 8
 PIPELINE_1F1B = ["F0 F1 F2 F3 B0 F4 B1 F5 B2 F6 B3 F7 B4 B5 B6 B7",
                  "F0 F1 F2 B0 F3 B1 F4 B2 F5 B3 F6 B4 F7 B5 B6 B7",

@@ -92,7 +92,7 @@ def check_one(exercise, code: str, caught_by: list[str], numerical: list[str], p
               quick: bool, marked: list[dict] | None = None, warm=None) -> Outcome:
     """Run one bypass: `marked` -- the reference's collected tests marked with this exercise ({id,
     mechanism}); in a quick run only CAUGHT_BY's tests run. `warm`: a course.warm.WarmPool to run them in."""
-    from minifsdp.course.grade import run_pytest
+    from minifsdp.course.runner import run_pytest
 
     copy = tmp / f"bypass-{exercise.id}"
     write_bypassed_copy(REPO, exercise, code, copy)
@@ -119,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="run only the tests CAUGHT_BY names")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(REPO))
-    from minifsdp.course.grade import collect_reference, plugin_dir
+    from minifsdp.course.grade import collect_reference
+    from minifsdp.course.runner import plugin_dir
     from minifsdp.course.student import find_exercises
     from minifsdp.course.warm import WarmPool
 

@@ -9,8 +9,8 @@ The reference is, unless told otherwise, the project that holds the running pack
 
 A chapter's tests are the files tests/test_chNN_*.py. Each chapter runs in a fresh pytest process in
 that copy, with a time limit, and its imports resolve to the copy alone: never to the submission's
-directory or an installed minifsdp. The outcomes come from the grader's own plugin (plugin.py), loaded
-from a directory that holds only it. The maximum comes from collecting the reference's tests, so a
+directory or an installed minifsdp (runner.py). The outcomes come from the grader's own plugin (plugin.py),
+loaded from a directory that holds only it. The maximum comes from collecting the reference's tests, so a
 chapter that crashes, hangs or cannot even be collected scores 0 of its real maximum instead of
 vanishing. A test that is skipped (one that needs GPUs, on a laptop) neither earns nor costs a point.
 
@@ -23,27 +23,19 @@ request JSON, Gradescope's results.json and pytest's JUnit XML.
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
-import signal
-import subprocess
-import sys
 import tempfile
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Iterator, Sequence
+from typing import Iterable
 
 from minifsdp.course.assemble import assemble
+from minifsdp.course.runner import PytestRun, plugin_dir, run_pytest
 from minifsdp.course.student import PACKAGE, Exercise, copy_files, find_exercises, project_files
-from minifsdp.course.warm import WarmPool, WarmPython
 
 DEFAULT_TIMEOUT = 900.0  # seconds per chapter: the longest chapter takes a few minutes on two cores
-PLUGIN = "_minifsdp_grade_plugin"  # the name plugin.py is loaded under, which no project provides
 _CHAPTER_TEST = re.compile(r"test_ch(\d+)_\w*\.py")
-_TAIL = 20_000  # characters of pytest's output kept
 
 
 def chapter_test_files(root: str | Path = ".") -> dict[int, list[Path]]:
@@ -70,91 +62,6 @@ def default_reference() -> Path:
         raise FileNotFoundError(f"the running {PACKAGE} ({root / PACKAGE}) is not inside a project with its "
                                 f"tests/; pass --reference with the course project (the one with the solutions)")
     return root
-
-
-# -- running pytest ------------------------------------------------------------------------------------------
-
-@contextmanager
-def plugin_dir() -> Iterator[Path]:
-    """A directory that holds only the grader's plugin, under a name no project provides."""
-    with tempfile.TemporaryDirectory(prefix=f"{PACKAGE}-plugin-") as tmp:
-        shutil.copyfile(Path(__file__).with_name("plugin.py"), Path(tmp) / f"{PLUGIN}.py")
-        yield Path(tmp)
-
-
-@dataclass
-class PytestRun:
-    returncode: int
-    report: dict | None    # the plugin's (plugin.py); None when pytest never got to write it
-    output: str            # the end of what pytest printed
-    seconds: float
-    timed_out: bool
-
-
-def _environment(project: Path, plugins: Path, keep_out: Sequence[Path]) -> dict[str, str]:
-    env = dict(os.environ)
-    # Options and plugins from the environment would change what runs; so would the user's site-packages.
-    for name in ("PYTEST_ADDOPTS", "PYTEST_PLUGINS"):
-        env.pop(name, None)
-    inherited = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    inherited = [p for p in inherited if not any(Path(p).resolve().is_relative_to(k) for k in keep_out)]
-    # PYTHONPATH reaches the rank processes the tests start; with the working directory first on sys.path
-    # (python -m pytest), it beats an installed, even editable, minifsdp.
-    env["PYTHONPATH"] = os.pathsep.join([str(project), str(plugins), *inherited])
-    env["PYTHONNOUSERSITE"] = "1"
-    return env
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    """Stop pytest and the rank processes it started (they share its new session)."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (AttributeError, ProcessLookupError):  # no process groups (Windows), or already gone
-        proc.kill()
-
-
-def run_pytest(project: str | Path, args: Sequence[str], plugins: Path, timeout: float | None = None,
-               keep_out: Sequence[Path] = (), warm: WarmPython | WarmPool | None = None) -> PytestRun:
-    """pytest in `project` with the grader's plugin; `keep_out`: directories never put on the path; `warm`:
-    run it as a child of this warm interpreter (warm.py) instead of a fresh one."""
-    project = Path(project).resolve()
-    with tempfile.TemporaryDirectory(prefix=f"{PACKAGE}-report-") as tmp:
-        report_file = Path(tmp) / "report.json"
-        pytest_args = ["-q", "-p", "no:cacheprovider", "-p", PLUGIN, f"--grade-report={report_file}",
-                       f"--rootdir={project}", *args]
-        started = time.monotonic()
-        env = _environment(project, plugins, [Path(k).resolve() for k in keep_out])
-        if warm is not None:
-            returncode, output, timed_out = warm.run(project, pytest_args, env, timeout)
-            if timed_out:
-                output += f"\n[{PACKAGE}] stopped after {timeout:g} s"
-            return _finish(returncode, report_file, output, started, timed_out)
-        proc = subprocess.Popen([sys.executable, "-m", "pytest", *pytest_args], cwd=project, env=env,
-                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, errors="replace", start_new_session=True)
-        timed_out = False
-        try:
-            output, _ = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            _stop(proc)
-            output, _ = proc.communicate()
-            output += f"\n[{PACKAGE}] stopped after {timeout:g} s"
-        except BaseException:  # e.g. Ctrl-C while grading: leave no test processes behind
-            _stop(proc)
-            proc.wait()
-            raise
-        return _finish(proc.returncode, report_file, output, started, timed_out)
-
-
-def _finish(returncode: int, report_file: Path, output: str, started: float, timed_out: bool) -> PytestRun:
-    report = None
-    if report_file.is_file() and not timed_out:
-        try:
-            report = json.loads(report_file.read_text(encoding="utf-8"))
-        except ValueError:
-            report = None
-    return PytestRun(returncode, report, output[-_TAIL:], time.monotonic() - started, timed_out)
 
 
 # -- what the reference asks ---------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ it started together), its output in a file.
     with WarmPython() as warm:
         returncode, output, timed_out = warm.run(project, ["-q", "tests/test_x.py"], env, timeout=300)
 
-`grade.run_pytest(..., warm=...)` runs through it. The course's own tests use it to run one short pytest
+`runner.run_pytest(..., warm=...)` runs through it. The course's own tests use it to run one short pytest
 per exercise; a grader's run is minutes of tests, where two seconds do not matter, so `grade` does not.
 """
 

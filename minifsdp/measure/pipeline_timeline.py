@@ -23,7 +23,7 @@ from __future__ import annotations
 import re
 
 from minifsdp.measure.timeline import Span
-from minifsdp.parallel.pipeline import BACKWARD, FORWARD, Action
+from minifsdp.parallel.pipeline_orders import BACKWARD, FORWARD, Action
 
 _ACTION = re.compile(r"([FB])(\d+) s(\d+)")
 

@@ -1,10 +1,10 @@
-"""Chapter 12: pipeline parallelism -- the model cut between its layers, the batch cut into micro-batches.
+"""Chapter 12: pipeline parallelism's runtime -- the schedules, which run a rank's stages through their order and
+send each result to the stage that needs it.
 
-Data parallelism gives every rank the whole model; tensor parallelism cuts every layer across ranks. Pipeline
-parallelism cuts the model *between* layers: stage 0 holds the embeddings and the first blocks, stage 1 the
-next blocks, ..., the last stage the final blocks, ln_f, the head and the loss. A rank holds only its stage's
-parameters, gradients and optimizer state, and the only traffic is one activation (micro-batch x sequence x
-hidden) forward across each stage boundary and its gradient backward: point to point, to a neighbour.
+A rank holds its stages (pipeline_stage.py: the model cut between its layers) and runs them through its schedule's
+order of actions (pipeline_orders.py: GPipe, 1F1B, interleaved 1F1B). The only traffic is one activation
+(micro-batch x sequence x hidden) forward across each stage boundary and its gradient backward: point to point, to
+a neighbour.
 
     modules = split_gpt(TinyGPT(config), num_stages=p, stage_indices=[rank])
     stage = PipelineStage(modules[0], stage_index=rank, num_stages=p, activation_shape=(b // m, T, h))
@@ -12,32 +12,6 @@ hidden) forward across each stage boundary and its gradient backward: point to p
     losses = []
     schedule.step(x, target=y, losses=losses)   # x matters on the first stage, y on the last
     optimizer.step()                            # each rank steps its own stage's parameters
-
-The bubble. One batch through p stages keeps one stage busy at a time. GPipe cuts the batch into m
-micro-batches and streams them: stage s starts micro-batch i as soon as stage s-1 has finished it, so after a
-fill of p-1 slots every stage is busy, and after the last forward the backwards drain the same way. With a
-forward taking t_f and a backward t_b on every stage, a step lasts (m + p - 1)(t_f + t_b) of which each stage
-computes m(t_f + t_b): the idle share, the *bubble*, is (p - 1) / (m + p - 1). More micro-batches, less bubble.
-
-The schedules differ in the order each stage runs its actions ("forward micro-batch i", "backward i"):
-
-    schedule                  order on rank r (of p)                       bubble                 in flight
-    ScheduleGPipe             every forward, then every backward           (p-1)/(m+p-1)          m
-    Schedule1F1B              p-r-1 forwards, then one forward one         (p-1)/(m+p-1)          min(p-r, m)
-                              backward, then the remaining backwards
-    ScheduleInterleaved1F1B   v stages per rank (r, r+p, ...), 1F1B over   (p-1)/(v*m+p-1)        min(2(p-r-1)
-                              (stage, micro-batch) in Megatron's order                            + (v-1)p + 1, v*m)
-
-"In flight": micro-batches whose forward has run and whose backward has not, so whose activations the stage
-still holds. GPipe holds all m; 1F1B (PipeDream-Flush, Megatron's default) starts a backward as soon as the
-first micro-batch has come back, and from then on frees one micro-batch for each it admits: the same bubble
-for a fraction of the activation memory. Interleaving (Megatron-LM, 2021) gives each rank v thinner stages, so
-the fill and drain take slots v times shorter: the bubble shrinks by v, for v times more messages -- and for
-more activations on the first ranks: its warm-up runs (v-1)p + 2(p-r-1) forwards of 1/v-stage pieces, so rank
-0 holds about (p + (p-1)/v) micro-batches' worth where 1F1B holds p.
-
-The bubble above is a share of the step's time (idle / total), which is what a measurement of one stage
-sees; Megatron's paper states the same bubble relative to the ideal time instead, (p-1)/m and (p-1)/(v*m).
 
 Messages. An activation and its gradient have the same shape, micro-batch x sequence x hidden, at every
 boundary of a transformer, so each stage is told it once (`activation_shape`), as Megatron derives it from
@@ -74,154 +48,14 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import deque
-from typing import Callable, NamedTuple
+from typing import Callable
 
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
 
 from minifsdp import events
 from minifsdp.distributed import comm
-from minifsdp.distributed.launch import current_device
-
-FORWARD, BACKWARD = "F", "B"
-
-
-class Action(NamedTuple):
-    """One step of a schedule: forward (or backward) micro-batch `microbatch` through stage `stage`."""
-    kind: str        # FORWARD or BACKWARD
-    stage: int       # the global stage index (0 .. num_stages - 1)
-    microbatch: int
-
-    def __str__(self) -> str:  # what the compute events are called: "F3 s1" (forward micro-batch 3, stage 1)
-        return f"{self.kind}{self.microbatch} s{self.stage}"
-
-
-# -- cutting TinyGPT into stages ---------------------------------------------------------------------------------------
-def stages_of_rank(rank: int, num_ranks: int, virtual_stages: int = 1) -> list[int]:
-    """The stages rank `rank` holds: rank r of p holds r, r + p, r + 2p, ... (Megatron's interleaved placement),
-    so each stage's successor is on the next rank, and the last rank's on the first."""
-    return [rank + k * num_ranks for k in range(virtual_stages)]
-
-
-class GPTStageModule(nn.Module):
-    """Stage `stage_index` of a TinyGPT cut into `num_stages` contiguous pieces: the embeddings on the first, an
-    equal share of the blocks on each, ln_f and lm_head on the last. Parameter names are the whole model's
-    ("blocks.5.fc.weight"), so a stage's state_dict is a slice of the model's."""
-
-    def __init__(self, model: nn.Module, stage_index: int, num_stages: int, head: nn.Linear | None = None):
-        super().__init__()
-        per = len(model.blocks) // num_stages
-        self.stage_index, self.num_stages = stage_index, num_stages
-        first, last = stage_index == 0, stage_index == num_stages - 1
-        self.wte, self.wpe = (model.wte, model.wpe) if first else (None, None)
-        mine = range(stage_index * per, (stage_index + 1) * per)
-        self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in mine})  # keyed "5": names stay "blocks.5..."
-        self.ln_f, self.lm_head = (model.ln_f, head or model.lm_head) if last else (None, None)
-        self.tied_embedding = None  # the name of the parameter another rank holds a copy of (set by split_gpt)
-
-    def forward(self, x):
-        if self.wte is not None:  # token ids in
-            x = self.wte(x) + self.wpe(torch.arange(x.shape[1], device=x.device))
-        for block in self.blocks.values():
-            x = block(x)
-        if self.lm_head is not None:  # logits out
-            x = self.lm_head(self.ln_f(x))
-        return x
-
-
-def split_gpt(model: nn.Module, num_stages: int, stage_indices: list[int]) -> list[GPTStageModule]:
-    """The stages `stage_indices` of `model` (a TinyGPT, built the same on every rank) cut into `num_stages`.
-
-    The stage modules share the model's own submodules (no copy): what this rank does not hold is simply never
-    referenced, and is freed with the model. A weight tied across ranks -- wte on the first stage, lm_head on the
-    last, when one rank does not hold both -- becomes two parameters, started equal, each named by its stage's
-    `tied_embedding`; the schedule sums their gradients after backward."""
-    n = len(model.blocks)
-    if num_stages < 1 or n % num_stages:
-        raise ValueError(f"split_gpt: {n} blocks cannot be cut into {num_stages} stages of equal size; choose "
-                         f"n_layer divisible by the number of stages (pipeline ranks x virtual stages)")
-    bad = [s for s in stage_indices if not 0 <= s < num_stages]
-    if bad:
-        raise ValueError(f"split_gpt: stage indices {bad} outside 0 .. {num_stages - 1}")
-    first, last = 0 in stage_indices, num_stages - 1 in stage_indices
-    tied = model.lm_head.weight is model.wte.weight
-    head = None
-    if tied and last and not first:  # the copy: a head of its own, holding wte's values
-        head = nn.Linear(model.lm_head.in_features, model.lm_head.out_features, bias=False,
-                         device=model.wte.weight.device, dtype=model.wte.weight.dtype)
-        head.weight = nn.Parameter(model.wte.weight.detach().clone())
-    modules = [GPTStageModule(model, s, num_stages, head=head) for s in stage_indices]
-    if tied and first != last:
-        for m in modules:
-            if m.wte is not None:
-                m.tied_embedding = "wte.weight"
-            if m.lm_head is not None:
-                m.tied_embedding = "lm_head.weight"
-    return modules
-
-
-def gpt_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """TinyGPT's loss on a micro-batch: cross-entropy, the mean over its tokens."""
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-
-
-# -- a stage: compute, and what it keeps between a micro-batch's forward and its backward -----------------------------
-class PipelineStage:
-    """One stage of a pipeline: `submodule` run as stage `stage_index` of `num_stages`, on rank
-    stage_index % p of `group` (p ranks, default: the world; num_stages = p x virtual stages per rank).
-
-    activation_shape: the shape of what crosses every boundary (micro-batch, sequence, hidden), the same each
-    way; the receiver allocates it before the message arrives. Not needed when there is one stage.
-    A submodule whose `tied_embedding` names one of its parameters (split_gpt sets it) has that parameter's
-    gradient summed with the copy's on the other end of the pipeline after each step."""
-
-    def __init__(self, submodule: nn.Module, stage_index: int, num_stages: int, group=None,
-                 activation_shape: tuple[int, ...] | None = None, dtype: torch.dtype = torch.float32):
-        comm.require_process_group()
-        self.submodule, self.stage_index, self.num_stages, self.group = submodule, stage_index, num_stages, group
-        self.num_ranks, self.rank = comm.world_size(group), comm.rank(group)
-        if num_stages % self.num_ranks:
-            raise ValueError(f"PipelineStage: {num_stages} stages on {self.num_ranks} ranks; every rank must hold "
-                             f"the same number of stages")
-        if stage_index % self.num_ranks != self.rank:
-            raise ValueError(f"PipelineStage: stage {stage_index} of {num_stages} lives on rank "
-                             f"{stage_index % self.num_ranks} of the pipeline (stage s on rank s % p), not on rank "
-                             f"{self.rank}")
-        if activation_shape is None and num_stages > 1:
-            raise ValueError("PipelineStage: give activation_shape=(micro-batch, sequence, hidden), the shape of "
-                             "what crosses a stage boundary, so receivers can allocate it in advance")
-        self.activation_shape, self.dtype = activation_shape and tuple(activation_shape), dtype
-        self.is_first, self.is_last = stage_index == 0, stage_index == num_stages - 1
-        params = list(submodule.parameters())
-        self.device = params[0].device if params else current_device()
-        tied = getattr(submodule, "tied_embedding", None)
-        self.tied_embedding = submodule.get_parameter(tied) if tied else None
-        self._saved: dict[int, tuple] = {}  # micro-batch -> (input, output or scaled loss), forward to backward
-
-    def forward_one_chunk(self, microbatch: int, x: torch.Tensor, target=None, loss_fn=None, scale: float = 1.0):
-        """Run one micro-batch forward; keep what its backward needs. The last stage applies the loss and
-        returns it (unscaled, detached); the others return their output, to send on."""
-        if not self.is_first:
-            x.requires_grad_()  # a leaf: its .grad after backward is what the previous stage needs
-        out = self.submodule(x)
-        if self.is_last:
-            loss = loss_fn(out, target)
-            self._saved[microbatch] = (x, loss * scale)  # 1/m: the mean over micro-batches
-            return loss.detach()
-        if self.activation_shape is not None and tuple(out.shape) != self.activation_shape:
-            raise ValueError(f"stage {self.stage_index} produced an activation of shape {tuple(out.shape)}, but "
-                             f"its neighbour expects activation_shape={self.activation_shape}")
-        self._saved[microbatch] = (x, out)
-        return out
-
-    def backward_one_chunk(self, microbatch: int, grad_output: torch.Tensor | None = None):
-        """Backward one micro-batch from its output's gradient (the loss, on the last stage); the parameters'
-        gradients accumulate. Returns the gradient of the stage's input (None on the first stage), and frees
-        everything the micro-batch's forward kept."""
-        x, out = self._saved.pop(microbatch)
-        torch.autograd.backward(out, grad_output)
-        return None if self.is_first else x.grad
+from minifsdp.parallel.pipeline_orders import (BACKWARD, FORWARD, Action, gpipe_order, interleaved_order,
+                                               one_f_one_b_order, stages_of_rank)
 
 
 # -- the messages a rank receives, posted in its senders' order -------------------------------------------------------
@@ -477,60 +311,3 @@ class ScheduleInterleaved1F1B(PipelineSchedule):
 
     def order(self, rank: int) -> list[Action]:
         return interleaved_order(rank, self.num_ranks, self.virtual_stages, self.n_microbatches)
-
-
-# -- the orders ----------------------------------------------------------------------------------------------------
-def gpipe_order(rank: int, p: int, m: int) -> list[Action]:
-    """All forwards, then all backwards, on stage `rank` of p."""
-    return [Action(FORWARD, rank, i) for i in range(m)] + [Action(BACKWARD, rank, i) for i in range(m)]
-
-
-# --8<-- [start:one_f_one_b]
-def one_f_one_b_order(rank: int, p: int, m: int) -> list[Action]:
-    """1F1B on stage `rank` of p. Micro-batch 0's backward can start on this
-    stage once it has gone forward through the p - rank - 1 stages after it and
-    back: that is how many forwards there is time for first (warm-up). Then each
-    backward that frees a micro-batch is paired with a forward that admits the
-    next (steady state), and the backwards left drain (cool-down)."""
-    # BEGIN EXERCISE 12.2: 1F1B order: warm-up, forward/backward pairs, drain
-    warmup = min(p - rank - 1, m)
-    order = [Action(FORWARD, rank, i) for i in range(warmup)]
-    for i in range(m - warmup):
-        order.append(Action(FORWARD, rank, warmup + i))
-        order.append(Action(BACKWARD, rank, i))
-    order += [Action(BACKWARD, rank, i) for i in range(m - warmup, m)]
-    return order
-    # END EXERCISE
-# --8<-- [end:one_f_one_b]
-
-
-# --8<-- [start:interleaved]
-def interleaved_order(rank: int, p: int, v: int, m: int) -> list[Action]:
-    """Megatron's interleaved 1F1B on rank `rank` of p, holding stages
-    rank, rank + p, ..., rank + (v-1)p.
-
-    The rank's k-th forward is micro-batch (k // pv) * p + k % p of its stage
-    number (k % pv) // p (a group of p micro-batches through its first stage,
-    the same group through its second, ...), and the k-th backward the same
-    micro-batch through its stages in reverse. Warm-up: before the first
-    backward (micro-batch 0 through the rank's last stage) can start,
-    micro-batch 0 must go through all its earlier stages -- (v - 1)p forwards
-    here -- and then forward through the p - rank - 1 ranks after this one and
-    back, 2(p - rank - 1) slots more."""
-    total = m * v
-
-    def action(kind: str, k: int) -> Action:
-        chunk = (k % (p * v)) // p
-        if kind == BACKWARD:
-            chunk = v - 1 - chunk
-        return Action(kind, chunk * p + rank, (k // (p * v)) * p + k % p)
-
-    # BEGIN EXERCISE 12.4: interleaved order: warm-up, then 1F1B, then cool-down
-    warmup = min(2 * (p - rank - 1) + (v - 1) * p, total)
-    order = [action(FORWARD, k) for k in range(warmup)]
-    for k in range(total - warmup):
-        order += [action(FORWARD, warmup + k), action(BACKWARD, k)]
-    order += [action(BACKWARD, k) for k in range(total - warmup, total)]
-    return order
-    # END EXERCISE
-# --8<-- [end:interleaved]

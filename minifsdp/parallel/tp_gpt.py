@@ -51,9 +51,9 @@ from minifsdp.distributed import comm
 from minifsdp.models import Block, CausalSelfAttention, TinyGPT
 from minifsdp.parallel.mappings import (divide, full_tensor, gather_from_tensor_model_parallel_region,
                                         mark_sequence_parallel, scatter_to_sequence_parallel_region)
-from minifsdp.parallel.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
-                                               allreduce_sequence_parallel_grads, column_parallel_linear,
-                                               vocab_parallel_cross_entropy)
+from minifsdp.parallel.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
+                                               allreduce_sequence_parallel_grads, column_parallel_linear)
+from minifsdp.parallel.vocab_parallel import VocabParallelEmbedding, vocab_parallel_cross_entropy
 
 
 class ParallelAttention(nn.Module):

@@ -35,6 +35,16 @@ def fmt_bytes(b) -> str:
     return f"{b:.0f} B"
 
 
+def fmt_size(b: float | None) -> str:
+    """Bytes as chapter 13's simulator prints them: up to TB (70B and 175B models), an em dash for none."""
+    if b is None:
+        return "—"
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(b) >= scale:
+            return f"{b / scale:.2f} {unit}"
+    return f"{b:.0f} B"
+
+
 # The site's content column is 688 px wide at 1280 px, and the theme gives every header cell at least
 # 5rem (100 px): a table of more than six columns scrolls sideways, hiding its last columns. The reports
 # keep each table to MAX_COLUMNS, put what the chapter compares side by side, early, and split long

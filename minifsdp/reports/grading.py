@@ -20,7 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from minifsdp.course.grade import collect_reference, grade_submission, plugin_dir
+from minifsdp.course.grade import collect_reference, grade_submission
+from minifsdp.course.runner import plugin_dir
 from minifsdp.course.student import write_student_copy
 from minifsdp.reports.format import md_folded, md_table, write_report
 
