@@ -1,4 +1,5 @@
-"""The package's architecture, checked: no import cycles, and the algorithms never import measurement.
+"""The package's architecture, checked: no import cycles, the algorithms never import measurement, and the
+book's form -- no module over 400 lines, no function of the algorithms over 60 lines of code.
 
 Algorithms emit events and talk through distributed/comm.py; the meter, the timeline, the reports and the
 course tooling observe or drive them from outside. So nothing in ddp/, zero/, fsdp/, fsdp2/ or parallel/
@@ -11,6 +12,7 @@ implicit edges are left out (Python initialises a package before its submodules,
 """
 
 import ast
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -146,3 +148,52 @@ def test_one_subpackage_per_idea():
     loose = {p.name for p in PACKAGE.glob("*.py")}
     assert loose <= {"__init__.py", "__main__.py", "events.py", "mixed_precision.py", "models.py", "state_dict.py",
                      "train.py"}, loose
+
+
+# -- the book's form: modules a reader can hold, functions of one sitting ------------------------------------
+ALGORITHM_PACKAGES = ("distributed", "ddp", "zero", "fsdp", "fsdp2", "parallel", "checkpoint")
+MAX_MODULE_LINES = 400
+MAX_FUNCTION_CODE_LINES = 60
+
+
+def code_lines(function: ast.AST, source: list[str]) -> int:
+    """Lines of code in a function: its lines less blank ones, comments and its docstring."""
+    body = function.body
+    docstring = (body[0] if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+                 and isinstance(body[0].value.value, str) else None)
+    skip = set(range(docstring.lineno, docstring.end_lineno + 1)) if docstring else set()
+    return sum(1 for n in range(function.lineno, function.end_lineno + 1)
+               if n not in skip and source[n - 1].strip() and not source[n - 1].strip().startswith("#"))
+
+
+def test_the_line_counter_counts_code_only():
+    source = textwrap.dedent('''\
+        def f(x):
+            """A docstring
+            of two lines."""
+            # a comment
+
+            return x
+        ''')
+    tree = ast.parse(source)
+    assert code_lines(tree.body[0], source.splitlines()) == 2
+
+
+def test_no_module_over_400_lines():
+    long = {str(p.relative_to(REPO)): n for p in PACKAGE.rglob("*.py")
+            if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_MODULE_LINES}
+    assert not long, f"modules over {MAX_MODULE_LINES} lines (split them by idea): {long}"
+
+
+@pytest.mark.parametrize("package", ALGORITHM_PACKAGES)
+def test_no_function_of_the_algorithms_over_60_lines_of_code(package):
+    long = {}
+    for path in sorted((PACKAGE / package).rglob("*.py")):
+        text = path.read_text(encoding="utf-8")
+        source = text.splitlines()
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = code_lines(node, source)
+                if n > MAX_FUNCTION_CODE_LINES:
+                    long[f"{path.relative_to(REPO)}:{node.lineno} {node.name}"] = n
+    assert not long, f"functions over {MAX_FUNCTION_CODE_LINES} lines of code: {long}"
