@@ -28,6 +28,7 @@ from minifsdp import RankFailedError, all_reduce_by_parts, comm, launch
 from minifsdp.ddp import DistributedDataParallel
 from minifsdp.models import ToyModel
 from minifsdp.train import OPTIMIZER_SPECS, OPTIMIZERS, batch, build_model, loss_of, max_abs_diff, train
+from mixed_dtypes import EXACT, MIXES, SGD, diff_by_dtype, torch_ddp, train_mixed, within
 from per_world_size import PerWorldSize
 
 WORLD_SIZES = (1, 2, 3, 4)
@@ -79,6 +80,7 @@ def chapter_cases():
     out = {"by_parts": by_parts_cases(), "parity": parity_cases()}
     if n in (2, 3):
         out["no_sync"] = {s: accumulate(s) for s in ("ddp", "torch")}
+        out["mixed"] = {mix: mixed_dtypes(mix) for mix in MIXES}
     if n == 2:
         out["unused"] = {step: grads_after_one_step(True, 25, step) for step in (1, 2)}
     if n in (1, 2):
@@ -242,6 +244,33 @@ def test_unused_here_used_elsewhere_gets_the_average_unused_everywhere_stays_non
     g0, g1 = (r["unused"][2]["grads"] for r in ranks[2])
     assert g0["extra.weight"] is None and g1["extra.weight"] is None
     assert g0["frozen.weight"] is None
+
+
+# -- parameters of several dtypes -------------------------------------------------------------------------------
+def mixed_dtypes(mix):
+    """fp32 with fp64 (or bf16) layers (tests/mixed_dtypes.py): ours and torch's DDP, and our buckets' dtypes."""
+    wrapped = []
+
+    def ours(net):
+        wrapped.append(DistributedDataParallel(net))
+        return wrapped[0], torch.optim.SGD(net.parameters(), **SGD)
+
+    params = train_mixed(mix, ours)
+    return {"params": params, "diff": diff_by_dtype(params, train_mixed(mix, torch_ddp)),
+            "bucket_dtypes": [{p.dtype for p in b.params} for b in wrapped[0]._buckets]}
+
+
+@pytest.mark.exercise("1.2", "1.3")
+@pytest.mark.parametrize("n", (2, 3))
+@pytest.mark.parametrize("mix", MIXES)
+def test_mixed_dtypes_bit_exact_against_torch_ddp(ranks, n, mix):
+    """torch's DDP keeps one dtype per bucket, so each gradient is averaged in its own dtype. A bucket
+    promoted to a common dtype averages an fp32 gradient in fp64 (a bf16 one in fp32): other bits at N = 3."""
+    for r in range(n):
+        res = ranks[n][r]["mixed"][mix]
+        assert within(res["diff"], EXACT), res["diff"]
+        assert max_abs_diff(res["params"], ranks[n][0]["mixed"][mix]["params"]) == 0.0
+        assert len(res["bucket_dtypes"]) == 2 and all(len(d) == 1 for d in res["bucket_dtypes"])
 
 
 # -- no_sync: gradient accumulation ----------------------------------------------------------------------------

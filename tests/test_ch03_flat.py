@@ -27,6 +27,7 @@ from minifsdp import MemoryMeter, comm, launch
 from minifsdp.models import count_params
 from minifsdp.train import OPTIMIZER_SPECS, batch, build_model, loss_of, max_abs_diff
 from minifsdp.zero.flat import ALIGN_BYTES, FlatOSS
+from mixed_dtypes import EXACT, FLAT_BF16, MIXES, REORDERED, SGD, diff_by_dtype, torch_ddp, train_mixed, within
 from per_world_size import PerWorldSize
 
 WORLD_SIZES = (1, 2, 3, 4)
@@ -137,6 +138,8 @@ def chapter_cases():
                 out["resume"][opt] = resume(opt, ours, ref)
     out["layout"] = {cap: layout(cap) for cap in (None, BUCKET_CAP_MB)}
     out["measure"] = {opt: measure(opt) for opt in OPTIMS}
+    if dist.get_world_size() in (2, 3):
+        out["mixed"] = {mix: mixed_dtypes(mix) for mix in MIXES}
     return out
 
 
@@ -179,6 +182,41 @@ def test_consolidated_state_dict_is_a_torch_optimizers(ranks, n):
     for r in range(n):
         for case, diff in ranks[n][r]["consolidated"].items():
             assert diff <= ATOL[n], case
+
+
+# -- parameters of several dtypes: a flat buffer per dtype ------------------------------------------------------
+def mixed_dtypes(mix):
+    """FlatOSS over fp32 with fp64 (or bf16) layers in one param group (tests/mixed_dtypes.py), one bucket
+    per dtype and several, against torch's DDP with a plain SGD; and its buckets' dtypes."""
+    reference = train_mixed(mix, torch_ddp)
+    out = {}
+    for cap in (None, 0.0005):
+        optimizers = []
+
+        def flat(net):
+            optimizers.append(FlatOSS(net.parameters(), optim=torch.optim.SGD, bucket_cap_mb=cap, **SGD))
+            return net, optimizers[0]
+
+        params = train_mixed(mix, flat)
+        out[cap] = {"params": params, "diff": diff_by_dtype(params, reference),
+                    "buckets": [({p.dtype for p in b.params}, b.flat.dtype) for b in optimizers[0].buckets],
+                    "padding": all(not padding(b).any() for b in optimizers[0].buckets)}
+    return out
+
+
+@pytest.mark.exercise("3.3")
+@pytest.mark.parametrize("n", (2, 3))
+@pytest.mark.parametrize("mix", MIXES)
+def test_a_group_of_mixed_dtypes_gets_a_flat_buffer_per_dtype(ranks, n, mix):
+    """Each element travels and is stepped in its own dtype: identical replicas, torch's DDP's numbers
+    (bit for bit at N = 2 but for bf16's kernels, see tests/mixed_dtypes.py)."""
+    atol = {**(EXACT if n == 2 else REORDERED), torch.bfloat16: FLAT_BF16}
+    for r in range(n):
+        for cap, res in ranks[n][r]["mixed"][mix].items():
+            assert max_abs_diff(res["params"], ranks[n][0]["mixed"][mix][cap]["params"]) == 0.0, cap
+            assert within(res["diff"], atol), (cap, res["diff"])
+            assert all(dtypes == {flat} for dtypes, flat in res["buckets"]), res["buckets"]
+            assert (len(res["buckets"]) == 2 if cap is None else len(res["buckets"]) > 2) and res["padding"]
 
 
 # -- the layout: aligned, padded, equal shards; frozen params out; tied params once ----------------------------

@@ -18,6 +18,7 @@ from minifsdp.models import TinyGPT
 from minifsdp.reports.tour import TOUR_MODEL
 from minifsdp.train import OPTIMIZER_SPECS, batch, build_model, loss_of, max_abs_diff, train
 from minifsdp.zero.oss import imbalance, partition_by_order, partition_parameters
+from mixed_dtypes import EXACT, MIXES, SGD, diff_by_dtype, torch_ddp, train_mixed, within
 from per_world_size import PerWorldSize
 
 WORLD_SIZES = (1, 2, 3, 4)
@@ -171,6 +172,8 @@ def chapter_cases():
     out["state"] = {o: state_and_partition(o) for o in OPTIMS}
     out["all_gather"] = state_and_partition("adamw", param_sync="all_gather")
     out["plain_state"] = {o: plain_state(o) for o in OPTIMS}
+    if dist.get_world_size() in (2, 3):
+        out["mixed"] = {mix: mixed_dtypes(mix) for mix in MIXES}
     return out
 
 
@@ -265,6 +268,41 @@ def test_consolidated_state_equals_a_plain_optimizers(ranks, n, opt):
     plain_optimizer = OPTIMIZER_SPECS[opt][0](build_model("gpt", 0).parameters(), lr=0.1)
     plain_optimizer.load_state_dict(full)  # the consolidated state loads into a plain local optimizer
     assert plain_optimizer.param_groups[0]["lr"] == OPTIMIZER_SPECS[opt][1]["lr"]
+
+
+# -- parameters of several dtypes -------------------------------------------------------------------------------
+MIXED_SYNCS = {"broadcast": {}, "all_gather": {"param_sync": "all_gather"},
+               "buffer_size": {"broadcast_buffer_size": 20}, "fp16": {"broadcast_fp16": True}}
+
+
+def mixed_dtypes(mix):
+    """OSS over fp32 with fp64 (or bf16) layers (tests/mixed_dtypes.py), each way of syncing the replicas,
+    against torch's DDP with a plain SGD."""
+    reference = train_mixed(mix, torch_ddp)
+    out = {}
+    for name, kw in MIXED_SYNCS.items():
+        params = train_mixed(mix, lambda net: (DistributedDataParallel(net),
+                                               OSS(net.parameters(), optim=torch.optim.SGD, **kw, **SGD)))
+        out[name] = {"params": params, "diff": diff_by_dtype(params, reference)}
+    return out
+
+
+@pytest.mark.exercise("3.1", "3.2")
+@pytest.mark.parametrize("n", (2, 3))
+@pytest.mark.parametrize("mix", MIXES)
+def test_mixed_dtypes_reach_every_replica_with_the_owners_bits(ranks, n, mix):
+    """An owner whose share holds an fp32 and an fp64 parameter (a bf16 and an fp32 one) sends one flat
+    tensor per dtype: flattened in the dtype of its first parameter, the fp64 one would reach the others
+    rounded to fp32 (1.000000000001 as 1.0) while the owner kept it whole. FairScale's OSS takes mixed
+    dtypes; torch's ZeroRedundancyOptimizer refuses them."""
+    for r in range(n):
+        for name in MIXED_SYNCS:
+            res = ranks[n][r]["mixed"][mix][name]
+            assert max_abs_diff(res["params"], ranks[n][0]["mixed"][mix][name]["params"]) == 0.0, name
+            if name != "fp16":
+                assert within(res["diff"], EXACT), (name, res["diff"])
+        fp16 = ranks[n][r]["mixed"][mix]["fp16"]["diff"]  # broadcast_fp16: rounded, close (and identical)
+        assert 0 < max(fp16.values()) <= 2e-3, fp16
 
 
 # -- state dicts across world sizes ----------------------------------------------------------------------------

@@ -24,6 +24,7 @@ from minifsdp.models import count_params
 from minifsdp.train import OPTIMIZER_SPECS, batch, build_model, loss_of, max_abs_diff
 from minifsdp.zero.flat import FlatOSS
 from minifsdp.zero.flat_sdp import FlatShardedDataParallel
+from mixed_dtypes import EXACT, FLAT_BF16, MIXES, REORDERED, SGD, diff_by_dtype, torch_ddp, train_mixed, within
 from per_world_size import PerWorldSize
 
 WORLD_SIZES = (1, 2, 3, 4)
@@ -99,7 +100,31 @@ def chapter_cases():
                          for how in ("no_sync", "twice")}
     if n == 2:
         out["bad"] = bad_input()
+    if n in (2, 3):
+        out["mixed"] = {mix: mixed_dtypes(mix) for mix in MIXES}
     return out
+
+
+def mixed_dtypes(mix):
+    """FlatShardedDataParallel over fp32 with fp64 (or bf16) layers (tests/mixed_dtypes.py), against torch's
+    DDP with a plain SGD."""
+    def flat_sdp(net):
+        optimizer = FlatOSS(net.parameters(), optim=torch.optim.SGD, bucket_cap_mb=0.0005, **SGD)
+        return FlatShardedDataParallel(net, optimizer), optimizer
+
+    params = train_mixed(mix, flat_sdp)
+    return {"params": params, "diff": diff_by_dtype(params, train_mixed(mix, torch_ddp))}
+
+
+@pytest.mark.exercise("4.2")
+@pytest.mark.parametrize("n", (2, 3))
+@pytest.mark.parametrize("mix", MIXES)
+def test_mixed_dtypes_are_reduce_scattered_each_in_its_own_dtype(ranks, n, mix):
+    atol = {**(EXACT if n == 2 else REORDERED), torch.bfloat16: FLAT_BF16}  # see tests/mixed_dtypes.py
+    for r in range(n):
+        res = ranks[n][r]["mixed"][mix]
+        assert max_abs_diff(res["params"], ranks[n][0]["mixed"][mix]["params"]) == 0.0
+        assert within(res["diff"], atol), res["diff"]
 
 
 @pytest.fixture(scope="module")

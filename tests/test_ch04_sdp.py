@@ -17,6 +17,7 @@ import torch.distributed as dist
 from minifsdp import OSS, RankFailedError, ShardedDataParallel, analytic, comm, launch
 from minifsdp.models import ToyModel
 from minifsdp.train import OPTIMIZER_SPECS, batch, build_model, loss_of, max_abs_diff, train
+from mixed_dtypes import EXACT, MIXES, REORDERED, SGD, diff_by_dtype, torch_ddp, train_mixed, within
 from per_world_size import PerWorldSize
 
 WORLD_SIZES = (1, 2, 3, 4)
@@ -141,7 +142,37 @@ def chapter_cases():
     if dist.get_world_size() == 2:
         out["no_sync"] = {s: accumulate(s) for s in ("sdp", "torch")}
         out["no_zero_grad"] = {s: accumulate_without_zero_grad(s) for s in ("sdp", "torch")}
+    if dist.get_world_size() in (2, 3):
+        out["mixed"] = {mix: mixed_dtypes(mix) for mix in MIXES}
     return out
+
+
+def mixed_dtypes(mix):
+    """ShardedDataParallel + OSS over fp32 with fp64 (or bf16) layers (tests/mixed_dtypes.py), against
+    torch's DDP with a plain SGD; and the dtypes of its buckets."""
+    wrapped = []
+
+    def sdp(net):
+        optimizer = OSS(net.parameters(), optim=torch.optim.SGD, **SGD)
+        wrapped.append(ShardedDataParallel(net, optimizer))
+        return wrapped[0], optimizer
+
+    params = train_mixed(mix, sdp)
+    return {"params": params, "diff": diff_by_dtype(params, train_mixed(mix, torch_ddp)),
+            "bucket_dtypes": [{p.dtype for p in b.params} for b in wrapped[0]._buckets]}
+
+
+@pytest.mark.exercise("4.1")
+@pytest.mark.parametrize("n", (2, 3))
+@pytest.mark.parametrize("mix", MIXES)
+def test_mixed_dtypes_are_reduced_each_in_its_own_dtype(ranks, n, mix):
+    """Buckets of one owner and one dtype: each gradient is averaged in its own dtype, as under torch's DDP,
+    and each owner's broadcast keeps its parameters' bits (chapter 3). See tests/mixed_dtypes.py."""
+    for r in range(n):
+        res = ranks[n][r]["mixed"][mix]
+        assert max_abs_diff(res["params"], ranks[n][0]["mixed"][mix]["params"]) == 0.0
+        assert within(res["diff"], EXACT if n == 2 else REORDERED), res["diff"]
+        assert all(len(dtypes) == 1 for dtypes in res["bucket_dtypes"])
 
 
 @pytest.fixture(scope="module")

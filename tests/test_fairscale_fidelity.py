@@ -345,6 +345,149 @@ def flat_alone_clipped(steps=3, max_norm=0.05):
             "buckets": len(optimizer.buckets)}
 
 
+# -- OSS.step's contract (FairScale's, and torch's ZeroRedundancyOptimizer's) ---------------------------------
+class ScaledSGD(torch.optim.SGD):
+    """A step that takes a keyword argument (as apex's fused optimizers' do) and writes a key of its own into
+    its param groups."""
+
+    def step(self, closure=None, scale=1.0):
+        for group in self.param_groups:
+            group["last_scale"] = scale
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.grad.mul_(scale)
+        return super().step(closure)
+
+
+class ClosurelessSGD(torch.optim.SGD):
+    def step(self):  # takes no closure
+        return super().step()
+
+
+def step_contract(kind):
+    """Two steps of the sharded optimizer `kind` over Net: a keyword argument for the wrapped optimizer's
+    step, a key it adds to its groups, an optimizer whose step takes no closure, a closure's loss."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    def sharded(params, optim, **kw):
+        if kind == "oss":
+            return OSS(params, optim=optim, **kw)
+        return ZeroRedundancyOptimizer(params, optimizer_class=optim, **kw)
+
+    out = {}
+    for name, optim, step_kw in (("kwargs", ScaledSGD, {"scale": 0.5}), ("closureless", ClosurelessSGD, {})):
+        net = Net(seed=0)
+        optimizer = sharded(net.parameters(), optim, lr=0.1, momentum=0.9)
+        for step in range(2):
+            loss_of(net, *whole_batch(step)).backward()
+            average_by_hand(net)
+            out[name] = attempt(lambda: optimizer.step(**step_kw))
+            optimizer.zero_grad()
+        out[name] = out[name] if isinstance(out[name], dict) else {
+            "params": params_of(net), "groups": [g.get("last_scale") for g in optimizer.param_groups]}
+    net = Net(seed=0)
+    optimizer = sharded(net.parameters(), torch.optim.SGD, lr=0.1)
+
+    def closure():
+        optimizer.zero_grad()
+        loss = loss_of(net, *whole_batch(0))
+        loss.backward()
+        average_by_hand(net)
+        return loss
+
+    out["closure"] = {"loss": attempt(lambda: optimizer.step(closure=closure).item()), "params": params_of(net)}
+    return out
+
+
+# -- ShardedDataParallel's contract (FairScale's) --------------------------------------------------------------
+class HeadNet(Net):
+    """Net with a head that a step may leave unused (a classifier head in pre-training): on every rank, on
+    rank 0 only, or on none."""
+
+    def __init__(self, seed):
+        super().__init__(seed)
+        self.head = nn.Linear(3, 1)
+
+    def forward(self, x, use_head=False):
+        out = super().forward(x)
+        return out + self.head(out) if use_head else out
+
+
+HEAD_USE = ("none", "rank0", "all")  # who uses the head at steps 0, 1, 2
+
+
+def train_with_head(kind):
+    """Three steps of SGD with momentum (no weight decay) on HeadNet, the head used per HEAD_USE: our
+    ShardedDataParallel, without or with find_unused_parameters, or torch's DDP (which needs it)."""
+    net = HeadNet(seed=dist.get_rank())
+    if kind == "torch":
+        model, optimizer = TorchDDP(net, find_unused_parameters=True), torch.optim.SGD(net.parameters(), lr=0.1,
+                                                                                         momentum=0.9)
+    else:
+        optimizer = OSS(net.parameters(), optim=torch.optim.SGD, lr=0.1, momentum=0.9)
+        model = ShardedDataParallel(net, optimizer, find_unused_parameters=kind == "sdp_find_unused")
+    head_grads = []
+    for step, who in enumerate(HEAD_USE):
+        use = who == "all" or (who == "rank0" and dist.get_rank() == 0)
+        x, y = whole_batch(step)
+        nn.functional.mse_loss(model(x, use_head=use), y).backward()
+        head_grads.append(None if net.head.weight.grad is None else net.head.weight.grad.clone())
+        optimizer.step()
+        optimizer.zero_grad()
+    owner = None if kind == "torch" else next(r for r in range(N) if any(
+        p is net.head.weight for p in optimizer.owned_params(r)))
+    return {"params": params_of(net), "head_grads": head_grads, "owner": owner}
+
+
+def two_optimizers():
+    """FairScale's ShardedDataParallel(module, [oss_1, oss_2]): two sharded optimizers over two parameter
+    sets, each stepped in turn; against one plain SGD under torch's DDP."""
+    net = Net(seed=dist.get_rank())
+    params = list(net.parameters())
+    first = OSS(params[:3], optim=torch.optim.SGD, lr=0.1, momentum=0.9)
+    second = OSS(params[3:], optim=torch.optim.SGD, lr=0.1, momentum=0.9)
+    model = ShardedDataParallel(net, [first, second])
+    reference = Net(seed=dist.get_rank())
+    reference_model = TorchDDP(reference)
+    plain = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    for step in range(3):
+        for wrapped, optimizers in ((model, (first, second)), (reference_model, (plain,))):
+            loss_of(wrapped, *whole_batch(step)).backward()
+            for optimizer in optimizers:
+                optimizer.step()
+                optimizer.zero_grad()
+    return {"params": params_of(net), "reference": params_of(reference),
+            "overlapping": attempt(ShardedDataParallel, Net(seed=0), [OSS(params, lr=0.1), OSS(params[:1], lr=0.1)])}
+
+
+def attributes():
+    """torch DDP's attributes, and what the wrapper does not have looked up on the module (FairScale's)."""
+    out = {}
+    for name in ("sdp", "flat"):
+        net = Net(seed=0)
+        net.banana = "sweet"
+        if name == "sdp":
+            model = ShardedDataParallel(net, OSS(net.parameters(), lr=0.1))
+        else:
+            model = FlatShardedDataParallel(net, FlatOSS(net.parameters(), bucket_cap_mb=0.001, lr=0.1))
+        out[name] = {k: attempt(getattr, model, k) for k in ("is_multi_device_module", "device_type", "banana")}
+        out[name]["orange"] = hasattr(model, "orange")
+        out[name]["module"] = model.module is net
+    return out
+
+
+def grads_requiring_grad():
+    """A .grad that requires grad: set before the forward (FairScale's test), or made by create_graph=True."""
+    net = Net(seed=0)
+    net.a.weight.grad = torch.zeros_like(net.a.weight).requires_grad_()
+    model = ShardedDataParallel(net, OSS(net.parameters(), lr=0.1))
+    out = {"set": attempt(lambda: model(torch.ones(2, 6)))}
+    net = Net(seed=0)
+    model = ShardedDataParallel(net, OSS(net.parameters(), lr=0.1))
+    out["create_graph"] = attempt(lambda: model(torch.ones(2, 6)).pow(2).sum().backward(create_graph=True))
+    return out
+
+
 def rank_cases():
     torch.set_num_threads(1)  # tiny models gain nothing from intra-op threads on a shared machine
     out = {"script": {}, "torch": {}}
@@ -374,6 +517,11 @@ def rank_cases():
     out["flat_alone_clipped"] = attempt(flat_alone_clipped)
     out["state_dict"] = attempt(state_dict_protocol)
     out["methods"] = attempt(buffers_and_methods)
+    out["step_contract"] = {kind: step_contract(kind) for kind in ("oss", "torch_zero")}
+    out["head"] = {kind: attempt(train_with_head, kind) for kind in ("sdp", "sdp_find_unused", "torch")}
+    out["two_optimizers"] = attempt(two_optimizers)
+    out["attributes"] = attributes()
+    out["grad_grad"] = grads_requiring_grad()
     out["schedule"] = {"reference": reference_with_schedule()}
     for strategy, refresh in (("oss", "auto"), ("oss", "quiet"), ("oss", "call"), ("flat", "auto"), ("flat", "call"),
                               ("flat_alone", "call"), ("flat_alone", "none"), ("oss", "none")):
@@ -536,3 +684,63 @@ def test_a_change_of_trainable_parameters_without_refresh_is_an_error(ranks, str
         error = r["schedule"][(strategy, "none")]["error"]
         assert "refresh_trainable()" in error
         assert ("'b.weight'" in error) if strategy == "oss" else ("(frozen)" in error and "(unfrozen)" in error)
+
+
+# -- (d) OSS.step's contract, against torch's ZeroRedundancyOptimizer -------------------------------------------
+def test_step_passes_keyword_arguments_and_a_closure_only_when_given(ranks):
+    """FairScale's and torch's step(closure=None, **kwargs): the keyword arguments go on to the wrapped
+    optimizer's step, and an optimizer whose step takes no closure is called without one."""
+    for r in ranks:
+        ours, theirs = r["step_contract"]["oss"], r["step_contract"]["torch_zero"]
+        for case in ("kwargs", "closureless", "closure"):
+            assert "error" not in ours[case], ours[case]
+            assert max_abs_diff(ours[case]["params"], theirs[case]["params"]) == 0.0, case
+        assert ours["closure"]["loss"] == theirs["closure"]["loss"]
+        assert max_abs_diff(ours["kwargs"]["params"], ours["closureless"]["params"]) > 1e-4  # scale=0.5 acted
+
+
+def test_keys_the_optimizer_adds_during_step_appear_in_param_groups(ranks):
+    for r in ranks:
+        for kind in ("oss", "torch_zero"):
+            assert r["step_contract"][kind]["kwargs"]["groups"] == [0.5], kind
+
+
+# -- (e) ShardedDataParallel's contract -----------------------------------------------------------------------
+def test_unused_trainable_parameters_need_no_switch(ranks):
+    """A head unused on every rank (step 0), on rank 0 only (step 1), used everywhere (step 2): as under
+    torch's DDP with find_unused_parameters=True, bit for bit. Without the switch, as FairScale's buckets
+    give, the head's owner gets a zero gradient where no rank used it (torch's: None; with momentum and no
+    weight decay the step is the same); find_unused_parameters=True gives torch's None."""
+    for rank, r in enumerate(ranks):
+        ours, found, theirs = ok(r["head"]["sdp"]), ok(r["head"]["sdp_find_unused"]), ok(r["head"]["torch"])
+        assert max_abs_diff(ours["params"], theirs["params"]) == 0.0
+        assert max_abs_diff(found["params"], theirs["params"]) == 0.0
+        assert theirs["head_grads"][0] is None and found["head_grads"][0] is None
+        if rank == ours["owner"]:
+            assert torch.equal(ours["head_grads"][0], torch.zeros(1, 3))
+            for step in (1, 2):  # the average, where some rank used it
+                assert torch.equal(ours["head_grads"][step], theirs["head_grads"][step])
+        else:
+            assert ours["head_grads"] == [None] * 3  # ZeRO-2: only the owner keeps it
+    assert max_abs_diff(ranks[0]["head"]["torch"]["params"], params_of(HeadNet(seed=0))) > 1e-3
+
+
+def test_a_list_of_sharded_optimizers(ranks):
+    for r in ranks:
+        res = ok(r["two_optimizers"])
+        assert max_abs_diff(res["params"], res["reference"]) == 0.0
+        assert "stepped twice" in res["overlapping"]["error"]
+
+
+def test_ddp_attributes_and_the_modules_own(ranks):
+    for r in ranks:
+        for name, res in r["attributes"].items():
+            assert res == {"is_multi_device_module": False, "device_type": "cpu", "banana": "sweet",
+                           "orange": False, "module": True}, name
+
+
+def test_a_gradient_that_requires_grad_is_refused(ranks):
+    for r in ranks:
+        for case, res in r["grad_grad"].items():
+            assert res is not None and res["error"].startswith("RuntimeError: ShardedDataParallel only works with gradients that do "
+                                           "not require grad"), (case, res)

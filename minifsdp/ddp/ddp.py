@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import functools
 
 import torch
 import torch.nn as nn
@@ -190,10 +189,9 @@ class DistributedDataParallel(nn.Module):
         """The bucket's gradients as one flat tensor, already multiplied by 1/N.
         release=True drops each .grad as soon as it is copied (ZeRO-2 needs them
         no more), so the bucket is never held twice."""
-        dtype = functools.reduce(torch.promote_types,
-                                 [p.dtype for p in bucket.params])
-        # (chapter 8 may average in a lower precision)
-        dtype = self.precision.reduce_dtype(dtype)
+        # one dtype per bucket (_pack), as in torch (chapter 8 may average
+        # in a lower precision)
+        dtype = self.precision.reduce_dtype(bucket.params[0].dtype)
         size = sum(p.numel() for p in bucket.params)
         flat = torch.empty(size, dtype=dtype, device=bucket.params[0].device)
         offset = 0
@@ -227,17 +225,22 @@ class DistributedDataParallel(nn.Module):
         self._finish_queued = False
         self.precision.after_backward()  # (chapter 8: fp16 without a loss scaler)
         if self._next < len(self._buckets):
-            missing = [self._names[p] for b in self._buckets[self._next:]
-                       for p in b.params if p.grad is None]
-            raise RuntimeError(
-                f"{type(self).__name__}: these parameters received no gradient "
-                f"in this backward pass, so their buckets could never be "
-                f"reduced: {missing}. If some parameters are legitimately "
-                f"unused in a step, pass find_unused_parameters=True.")
+            self._unlaunched_buckets()
         self._finish_buckets()
         if not self._rebuilt:
             self._set_buckets(_pack(self._arrivals, self._cap))
             self._arrivals, self._rebuilt = [], True
+
+    def _unlaunched_buckets(self) -> None:
+        """Backward is over, and some bucket never completed: as torch's DDP,
+        refuse, naming the parameters that got no gradient."""
+        missing = [self._names[p] for b in self._buckets[self._next:]
+                   for p in b.params if p.grad is None]
+        raise RuntimeError(
+            f"{type(self).__name__}: these parameters received no gradient "
+            f"in this backward pass, so their buckets could never be "
+            f"reduced: {missing}. If some parameters are legitimately "
+            f"unused in a step, pass find_unused_parameters=True.")
 
     def _finish_buckets(self) -> None:
         globally_used = None
@@ -316,17 +319,21 @@ def check_bucket_cap_mb(value, allow_none: bool = False) -> None:
                          f"got {value!r}")
 
 
-def _pack(params: list[nn.Parameter], cap_bytes: int) -> list[list[nn.Parameter]]:
-    """Cut `params`, in order, into consecutive groups of at most `cap_bytes` (at least one param each)."""
-    groups, size = [], 0
+def _pack(params: list[nn.Parameter], cap_bytes: float) -> list[list[nn.Parameter]]:
+    """Cut `params`, in order, into groups of at most `cap_bytes` (at least one param each) and of one dtype
+    and device each, as torch's DDP buckets are: one flat tensor holds one dtype, and a bucket promoted to
+    a common dtype would average an fp32 gradient in fp64 (a bf16 one in fp32): other bits than torch's."""
+    groups, open_group, size = [], {}, {}
     for p in params:
-        nbytes = p.numel() * p.element_size()
-        if not groups or size + nbytes > cap_bytes:
-            groups.append([])
-            size = 0
-        groups[-1].append(p)
-        size += nbytes
-    return groups
+        key, nbytes = (p.dtype, p.device), p.numel() * p.element_size()
+        if key not in open_group or size[key] + nbytes > cap_bytes:
+            open_group[key], size[key] = [], 0  # each dtype fills a group of its own
+            groups.append(open_group[key])
+        open_group[key].append(p)
+        size[key] += nbytes
+    # in the order they complete (by their last param): of one dtype, the order they were cut in
+    position = {id(p): i for i, p in enumerate(params)}
+    return sorted(groups, key=lambda group: position[id(group[-1])])
 
 
 def _params_reached_from(output) -> set:

@@ -1,7 +1,8 @@
 """FairScale's surface on chapters 3 and 4: what a fairscale.optim.OSS or fairscale.nn.ShardedDataParallel
 script calls beyond the idea each chapter teaches.
 
-OSS (chapter 3): minifsdp.OSS is oss.py's OSS with FairScale's whole signature. Its force_broadcast_object
+OSS (chapter 3): minifsdp.OSS is oss.py's OSS with FairScale's whole signature: step(closure, **kwargs)
+hands the keyword arguments on to the wrapped optimizer's step. Its force_broadcast_object
 chooses between two ways of moving the state that are one way here, its refresh_trainable() has nothing
 to re-plan, and consolidate_state_dict(to=...) is an older name for recipient_rank.
 
@@ -53,6 +54,21 @@ class OSS(oss.OSS):
         super().__init__(params, optim, group, broadcast_buffer_size, broadcast_fp16, param_sync=param_sync,
                          **default)
         self.force_broadcast_object = force_broadcast_object
+        self._step_kwargs = {}  # step()'s keyword arguments, for _local_step
+
+    def step(self, closure=None, **kwargs):
+        """OSS's step (oss.py); as in FairScale, keyword arguments go on to the wrapped optimizer's step
+        (apex's fused optimizers take some)."""
+        self._step_kwargs = kwargs
+        try:
+            return super().step(closure)
+        finally:
+            self._step_kwargs = {}
+
+    def _local_step(self, closure):
+        if closure is None:
+            return self.optim.step(**self._step_kwargs)
+        return self.optim.step(closure=closure, **self._step_kwargs)
 
     def consolidate_state_dict(self, recipient_rank: int = 0, to: int | None = None) -> None:
         """OSS's (oss.py); `to` is another name for recipient_rank."""
@@ -89,6 +105,49 @@ def fp16_reduction(reduce_fp16: bool, mixed_precision: MixedPrecision | None) ->
     return MixedPrecision(reduce_dtype=torch.float16)
 
 
+class ShardedOptimizers:
+    """FairScale's list of sharded optimizers, each over parameters of its own, seen by ShardedDataParallel
+    as one: which rank owns each parameter. Each OSS steps and broadcasts its own parameters."""
+
+    def __init__(self, optimizers: list[oss.OSS]):
+        self.optimizers = optimizers
+        self.group = optimizers[0].group
+
+    def owned_params(self, rank: int) -> list[torch.Tensor]:
+        return [p for optimizer in self.optimizers for p in optimizer.owned_params(rank)]
+
+
+def one_sharded_optimizer(sharded_optimizer) -> oss.OSS | ShardedOptimizers:
+    """ShardedDataParallel's sharded_optimizer: an OSS, or, as in FairScale, a list of them over disjoint
+    parameters and the same ranks (two optimizers over two parameter sets, say)."""
+    optimizers = list(sharded_optimizer) if isinstance(sharded_optimizer, (list, tuple)) else [sharded_optimizer]
+    for optimizer in optimizers:
+        if not isinstance(optimizer, oss.OSS):
+            name = type(optimizer).__name__
+            raise TypeError(f"ShardedDataParallel needs a sharded optimizer (minifsdp.OSS), or a list of them, to "
+                            f"know which rank owns each gradient; got {name}. Wrap it: "
+                            f"OSS(model.parameters(), optim={name}, ...)")
+    if not optimizers:
+        raise ValueError("ShardedDataParallel got an empty list of sharded optimizers")
+    if len({tuple(comm.group_ranks(optimizer.group)) for optimizer in optimizers}) > 1:
+        raise ValueError("ShardedDataParallel's sharded optimizers must shard over the same ranks (group=...)")
+    params = [p for optimizer in optimizers for p in optimizer._all_params()]
+    if len(set(params)) < len(params):
+        raise ValueError("a parameter is in two of ShardedDataParallel's sharded optimizers: it would be stepped "
+                         "twice; give each optimizer parameters of its own")
+    return optimizers[0] if len(optimizers) == 1 else ShardedOptimizers(optimizers)
+
+
+def refuse_grads_requiring_grad(params, names: dict, wrapper: str) -> None:
+    """A .grad that itself requires grad (backward(create_graph=True), for a double backward) would be
+    reduced as plain numbers, its graph dropped: refused, as FairScale refuses it."""
+    for p in params:
+        if p.grad is not None and p.grad.requires_grad:
+            raise RuntimeError(f"{wrapper} only works with gradients that do not require grad; the "
+                               f"gradient of {names.get(p, 'a parameter')!r} does (backward(create_graph=True), "
+                               f"or a .grad set by hand). Reduce higher-order gradients without the wrapper")
+
+
 class FairScaleMethods:
     """What FairScale's ShardedDataParallel has beyond a DDP, for the two ZeRO-2 wrappers (DDP subclasses).
 
@@ -97,6 +156,10 @@ class FairScaleMethods:
     auto_refresh_trainable: at forward, notice parameters frozen or unfrozen since the buckets were planned
         and re-plan them (True, FairScale's default), or raise an error naming them (False).
     warn_on_trainable_params_changed: warn when auto_refresh_trainable re-plans.
+
+    Beyond the arguments, as in FairScale: torch DDP's attributes is_multi_device_module and device_type;
+    attributes the wrapper does not have are the module's; trainable parameters may get no gradient in a
+    step without a switch (_unlaunched_buckets); a .grad that requires grad is refused.
     """
 
     def _init_fairscale(self, sync_models_at_startup: bool, auto_refresh_trainable: bool,
@@ -107,6 +170,22 @@ class FairScaleMethods:
         self._trainable = self._trainable_now()
         self._buffer_broadcasts = []   # sync_buffers(blocking=False) in flight
         self._grads_to_reduce = False  # a backward ran under no_sync(): reduce() has something to send
+        # torch DDP's attributes, which scripts read (FairScale has them too)
+        devices = {p.device for p in self.module.parameters()}
+        if len({d.type for d in devices}) > 1:
+            raise ValueError(f"{type(self).__name__}: the module's parameters are on several types of device "
+                             f"({sorted({d.type for d in devices})}); move them to one")
+        self.is_multi_device_module = len(devices) > 1
+        self.device_type = next(iter(devices)).type if devices else "cpu"
+
+    def __getattr__(self, name: str):
+        """As in FairScale: what the wrapper does not have, the wrapped module may (model.config, say)."""
+        try:
+            return super().__getattr__(name)  # nn.Module's: parameters, buffers, submodules
+        except AttributeError:
+            if name == "module":  # (not set yet, during __init__)
+                raise
+            return getattr(self.module, name)
 
     def _trainable_now(self) -> set:
         return {p for p in self.module.parameters() if p.requires_grad}
@@ -127,6 +206,9 @@ class FairScaleMethods:
                     f"changed ({changed}); re-planning the buckets "
                     f"(auto_refresh_trainable=True)", stacklevel=3)
             self.refresh_trainable()
+        # (FairScale refuses a .grad that requires grad here)
+        refuse_grads_requiring_grad(self._trainable, self._names,
+                                    type(self).__name__)
         # forward reads the buffers: they must have arrived
         for handle in self._buffer_broadcasts:
             handle.wait()
@@ -147,6 +229,27 @@ class FairScaleMethods:
         """The optimizer's part of a re-plan: none for an OSS, whose partition gave every parameter an owner,
         frozen or not (the flat design lays its parameters out again)."""
 
+    def _on_grad_ready(self, p) -> None:
+        # (the gradient backward(create_graph=True) just made)
+        refuse_grads_requiring_grad([p], self._names, type(self).__name__)
+        super()._on_grad_ready(p)
+
+    def _unlaunched_buckets(self) -> None:
+        """As in FairScale, trainable parameters may get no gradient in a step (a head unused in pre-training):
+        their buckets go at the end of backward, with zeros for them, in the order every rank launches them.
+        Nothing is spent on finding them when every gradient arrives; when one does not, the buckets after
+        its own wait for the end of backward. Its owner gets the average, or zeros if no rank used it (the
+        optimizer steps it: momentum and weight decay act), as FairScale's buckets give. With
+        find_unused_parameters=True, torch DDP's way: a parameter no rank used keeps .grad = None."""
+        self._launch_from(self._next)
+
+    def _launch_from(self, first: int) -> None:
+        """Launch the buckets from `first` on, in order, as every rank does."""
+        self._next = first
+        while self._next < len(self._buckets):
+            self._launch(self._buckets[self._next])
+            self._next += 1
+
     def reduce(self) -> None:
         """Send the gradients accumulated under no_sync() now, as the backward of a forward outside no_sync()
         would have (FairScale's manual reduction). Call it on every rank."""
@@ -155,10 +258,7 @@ class FairScaleMethods:
                                f"outside no_sync(), so its backward sent them already (or reduce() did)")
         self._grads_to_reduce = False
         self._unused = {p for p in self._bucket_of if p.grad is None}  # for find_unused_parameters' used map
-        self._next = 0
-        while self._next < len(self._buckets):  # every bucket, in the order every rank launches them
-            self._launch(self._buckets[self._next])
-            self._next += 1
+        self._launch_from(0)
         self._finish_buckets()
 
     @torch.no_grad()

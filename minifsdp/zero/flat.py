@@ -22,7 +22,9 @@ as DDP's all-reduce does; once a bucket is sent, its params' full .grad is freed
 holding only the gradients of its slice (4Ψ/N instead of 4Ψ). step() then only steps and all-gathers.
 
 Layout. With bucket_cap_mb=None a group is one bucket; otherwise it is cut into consecutive buckets of
-about that size, in reverse registration order (the order backward produces gradients). Inside a bucket
+about that size, in reverse registration order (the order backward produces gradients). A group whose
+parameters mix dtypes (fp32 and fp64, say) gets one flat buffer, and buckets, per dtype, as DDP's buckets
+hold one dtype each: every element then travels, and is stepped, in its own dtype. Inside a bucket
 each param starts on a 64-byte boundary (ALIGN_BYTES, below); each bucket is padded to a multiple of N on
 its own, and rank r owns chunk r of every bucket. The parameters become views into the flat buffer, so
 once the all-gather lands they are current without a copy. Padding is zero and stays zero: its gradient
@@ -51,7 +53,7 @@ from minifsdp.ddp.ddp import _pack, check_bucket_cap_mb
 from minifsdp.distributed import comm
 from minifsdp.zero.clip import clip_sharded_grad_norm_
 from minifsdp.zero.flat_state import FlatStateDict
-from minifsdp.zero.oss import require_optimizer_class
+from minifsdp.zero.oss import require_optimizer_class, wire_dtype
 
 # --8<-- [start:layout]
 # Each param starts on a 64-byte boundary, as it would in a tensor of its own:
@@ -183,34 +185,36 @@ class FlatOSS(FlatStateDict, torch.optim.Optimizer):
             # laid out once.
             trainable = list(dict.fromkeys(p for p in param_group["params"]
                                            if p.requires_grad))
-            if not trainable:
-                continue
-            if len({(p.dtype, p.device) for p in trainable}) > 1:
-                raise ValueError(f"param group {g} mixes dtypes or devices; "
-                                 f"one flat buffer needs one of each")
-            # Reverse registration order, registration order inside a bucket:
-            # as ddp.py packs its buckets.
+            # Reverse registration order, registration order inside a bucket,
+            # one dtype per bucket: as ddp.py packs its buckets.
             groups = [b[::-1] for b in _pack(trainable[::-1], cap)]
-            layouts = [_layout(b, self.world_size) for b in groups]
-            buffer = torch.zeros(sum(size for _, size in layouts),
-                                 dtype=trainable[0].dtype,
-                                 device=trainable[0].device)
-            self._buffers.append(buffer)
-            start = 0
-            for bucket_params, (offsets, size) in zip(groups, layouts):
-                bucket = FlatBucket(g, bucket_params, offsets,
-                                    buffer[start: start + size], self.rank,
-                                    self.world_size)
-                for p, offset in zip(bucket_params, bucket.offsets):
-                    view = bucket.flat[offset: offset + p.numel()].view_as(p)
-                    view.copy_(p.detach())
-                    p.data = view  # the param now lives in the flat buffer
-                self.buckets.append(bucket)
-                start += size
-        # --8<-- [end:buffers]
+            # one flat buffer per dtype (and device) of the group
+            for kind in dict.fromkeys((b[0].dtype, b[0].device) for b in groups):
+                self._lay_out_buffer(g, [b for b in groups
+                                         if (b[0].dtype, b[0].device) == kind])
         if not self.buckets:
             raise ValueError("FlatOSS got no trainable parameters")
         self._laid_out = {p for b in self.buckets for p in b.params}
+
+    def _lay_out_buffer(self, g: int, groups: list[list[nn.Parameter]]) -> None:
+        """One flat buffer for these buckets of group g (of one dtype)."""
+        layouts = [_layout(b, self.world_size) for b in groups]
+        buffer = torch.zeros(sum(size for _, size in layouts),
+                             dtype=groups[0][0].dtype,
+                             device=groups[0][0].device)
+        self._buffers.append(buffer)
+        start = 0
+        for bucket_params, (offsets, size) in zip(groups, layouts):
+            bucket = FlatBucket(g, bucket_params, offsets,
+                                buffer[start: start + size], self.rank,
+                                self.world_size)
+            for p, offset in zip(bucket_params, bucket.offsets):
+                view = bucket.flat[offset: offset + p.numel()].view_as(p)
+                view.copy_(p.detach())
+                p.data = view  # the param now lives in the flat buffer
+            self.buckets.append(bucket)
+            start += size
+        # --8<-- [end:buffers]
 
     def _build_local(self) -> None:
         """The local optimizer, over this rank's slices: one tensor per bucket, with its group's hyper-parameters."""
@@ -312,9 +316,10 @@ class FlatOSS(FlatStateDict, torch.optim.Optimizer):
         self.grad_reduction = GradReduction.IN_BACKWARD
 
     def _all_gather_in_fp16(self, b: FlatBucket) -> None:
-        """broadcast_fp16: the slices travel in fp16, and every rank, this one too, takes the rounded values."""
-        wire = torch.empty(b.flat.numel(), dtype=torch.float16, device=b.flat.device)
-        comm.all_gather(wire, b.shard.to(torch.float16), tag="params", group=self.group)
+        """broadcast_fp16: the slices travel in fp16 (a 16-bit bucket as it is: oss.py's wire_dtype), and every
+        rank, this one too, takes the rounded values."""
+        wire = torch.empty(b.flat.numel(), dtype=wire_dtype(b.flat.dtype, True), device=b.flat.device)
+        comm.all_gather(wire, b.shard.to(wire.dtype), tag="params", group=self.group)
         b.flat.copy_(wire)
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -22,6 +22,8 @@ tensor larger than Ψ/N defeats it, which is what ZeRO-3 fixes by slicing tensor
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from minifsdp.ddp.ddp import _pack
@@ -85,10 +87,15 @@ class OSS(torch.optim.Optimizer):
                            flat buckets of at most this size (a bigger parameter alone), so the scratch
                            buffer stays that small. 0 or -1 (FairScale's default): one bucket per owner.
     broadcast_fp16:        send the updated parameters in fp16, half the bytes. Every replica, the owner's
-                           included, then holds the fp16-rounded values, so they stay identical.
+                           included, then holds the fp16-rounded values, so they stay identical. (16-bit
+                           parameters travel as they are.)
     param_sync:            how replicas are made current after the step: "broadcast" (each owner broadcasts
                            its parameters) or "all_gather" (one collective, but every rank's share is padded
                            to the largest share).
+
+    The parameters may mix dtypes (fp32 and fp64, say), as FairScale's OSS allows and torch's
+    ZeroRedundancyOptimizer does not: an owner sends one flat tensor per dtype, so every replica gets the
+    owner's bits.
 
     The arguments before param_sync are FairScale's, in FairScale's order; minifsdp.OSS
     (fairscale_compat.py) adds the rest of FairScale's surface. OSS is an optimizer: it keeps the trainable
@@ -176,14 +183,21 @@ class OSS(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         # LR schedulers change self.param_groups: carry every hyper-parameter
-        # over to the local groups
-        for global_group, local_group in zip(self.param_groups,
-                                             self.optim.param_groups):
-            local_group.update({k: v for k, v in global_group.items()
-                                if k != "params"})
-        loss = self.optim.step(closure)
+        # over to the local groups; after the step, carry back what the
+        # optimizer wrote into its own (the two views stay one, as in torch's
+        # ZeroRedundancyOptimizer)
+        _copy_hyper_parameters(self.param_groups, self.optim.param_groups)
+        loss = self._local_step(closure)
         self._sync_params()
+        _copy_hyper_parameters(self.optim.param_groups, self.param_groups)
         return loss
+
+    def _local_step(self, closure):
+        """This rank's optimizer steps its share (passed a closure only when
+        given one: not every optimizer's step takes one)."""
+        if closure is None:
+            return self.optim.step()
+        return self.optim.step(closure=closure)
 
     def _sync_params(self) -> None:
         """Make every replica current: each rank's updated parameters go to
@@ -194,13 +208,8 @@ class OSS(torch.optim.Optimizer):
         if self.param_sync == "all_gather":
             return self._all_gather_params(shares)
         for owner, share in enumerate(shares):
-            if not share:
-                continue
-            wire = torch.float16 if self.broadcast_fp16 else share[0].dtype
-            # one flat bucket per owner, or buckets of at most
-            # broadcast_buffer_size elements
-            cap = self.broadcast_buffer_size * share[0].element_size()
-            for params in _pack(share, cap) if cap > 0 else [share]:
+            for params in self._broadcast_buckets(share):
+                wire = wire_dtype(params[0].dtype, self.broadcast_fp16)
                 # BEGIN EXERCISE 3.2: owner broadcasts its params (flat, in `wire`)
                 if owner == self.rank:
                     flat = _flatten(params).to(wire)
@@ -215,26 +224,38 @@ class OSS(torch.optim.Optimizer):
                 # at a time
                 comm.release(flat)
                 # END EXERCISE
+
+    def _broadcast_buckets(self, share) -> list[list[torch.Tensor]]:
+        """An owner's flat broadcasts: one per dtype (a flat tensor holds one;
+        flattened in another, an fp64 parameter would reach the others rounded
+        to fp32), each cut at broadcast_buffer_size elements if > 0."""
+        buckets = []
+        for dtype in dict.fromkeys(p.dtype for p in share):
+            same = [p for p in share if p.dtype == dtype]
+            cap = self.broadcast_buffer_size * same[0].element_size()
+            buckets += _pack(same, cap if cap > 0 else math.inf)
+        return buckets
     # --8<-- [end:step]
 
     # --8<-- [start:all_gather]
     def _all_gather_params(self, shares) -> None:
-        """One all-gather instead of N broadcasts: fewer calls, but every share
-        is padded to the largest."""
-        width = max(_numel(s) for s in shares)
-        dtype = next((p.dtype for s in shares for p in s), None)
-        if dtype is None:
-            return  # nothing is trainable
-        wire = torch.float16 if self.broadcast_fp16 else dtype
-        mine = torch.zeros(width, dtype=wire, device=self._all_params()[0].device)
-        if shares[self.rank]:
-            mine[: _numel(shares[self.rank])] = _flatten(shares[self.rank])
-        everything = mine.new_empty(width * self.world_size)
-        comm.all_gather(everything, mine, tag="params", group=self.group)
-        for owner, params in enumerate(shares):
-            if params and (owner != self.rank or wire != dtype):
-                start = owner * width
-                _unflatten_into(everything[start: start + _numel(params)], params)
+        """One all-gather (per dtype) instead of N broadcasts: fewer calls,
+        but every share is padded to the largest."""
+        for dtype in dict.fromkeys(p.dtype for s in shares for p in s):
+            parts = [[p for p in s if p.dtype == dtype] for s in shares]
+            wire = wire_dtype(dtype, self.broadcast_fp16)
+            width = max(_numel(part) for part in parts)
+            device = next(p.device for part in parts for p in part)
+            mine = torch.zeros(width, dtype=wire, device=device)
+            if parts[self.rank]:
+                mine[: _numel(parts[self.rank])] = _flatten(parts[self.rank])
+            everything = mine.new_empty(width * self.world_size)
+            comm.all_gather(everything, mine, tag="params", group=self.group)
+            for owner, params in enumerate(parts):
+                if params and (owner != self.rank or wire != dtype):
+                    start = owner * width
+                    _unflatten_into(everything[start: start + _numel(params)],
+                                    params)
     # --8<-- [end:all_gather]
 
     # -- state dicts: one full state, in the format of a plain optimizer over the same parameters ----------
@@ -308,6 +329,18 @@ class OSS(torch.optim.Optimizer):
             local_groups.append({**{k: v for k, v in saved.items() if k != "params"}, "params": ids})
         self.optim.load_state_dict({"state": local_state, "param_groups": local_groups})
         self.state = self.optim.state
+
+
+def wire_dtype(dtype: torch.dtype, fp16: bool) -> torch.dtype:
+    """The dtype parameters of `dtype` travel in: broadcast_fp16 halves what a wider float sends; a 16-bit
+    one travels as it is (bf16 sent as fp16 would lose range, and save nothing)."""
+    return torch.float16 if fp16 and dtype.is_floating_point and dtype.itemsize > 2 else dtype
+
+
+def _copy_hyper_parameters(source: list[dict], destination: list[dict]) -> None:
+    """Every entry of each group but its parameters, from `source`'s groups to `destination`'s."""
+    for source_group, destination_group in zip(source, destination):
+        destination_group.update({k: v for k, v in source_group.items() if k != "params"})
 
 
 def _numel(params) -> int:

@@ -28,7 +28,7 @@ import torch.nn as nn
 from minifsdp.ddp.ddp import DistributedDataParallel, _Bucket
 from minifsdp.distributed import comm
 from minifsdp.zero.fairscale_compat import (FAIRSCALE_REDUCE_BUFFER_SIZE, FairScaleMethods, bucket_cap_mb_from,
-                                            fp16_reduction)
+                                            fp16_reduction, one_sharded_optimizer)
 from minifsdp.zero.oss import OSS
 
 
@@ -44,6 +44,9 @@ class OwnedBucket(_Bucket):
 class ShardedDataParallel(FairScaleMethods, DistributedDataParallel):
     """ZeRO-2 data parallelism for a model whose optimizer is an OSS. FairScale's arguments, in its order:
 
+    sharded_optimizer:      the OSS over the module's trainable parameters, or, as in FairScale, a list of
+                            OSS over disjoint parts of them.
+
     process_group:          the OSS's group (the default); another group would send gradients to ranks that
                             do not own them, so it is refused.
     broadcast_buffers:      as in DistributedDataParallel.
@@ -52,7 +55,9 @@ class ShardedDataParallel(FairScaleMethods, DistributedDataParallel):
                             0: a bucket per gradient.
     reduce_fp16:            average the gradients in fp16: half the bytes, and fp16's rounding.
     and minifsdp's, by name: bucket_cap_mb (the bucket size in MB instead of reduce_buffer_size),
-    find_unused_parameters and mixed_precision (as in DistributedDataParallel).
+    find_unused_parameters and mixed_precision (as in DistributedDataParallel). Trainable parameters that
+    get no gradient need no switch, as in FairScale (fairscale_compat.py's _unlaunched_buckets); with
+    find_unused_parameters=True they are found at forward and handled as torch's DDP does.
     Methods: no_sync() (DDP's), reduce(), sync_buffers(), refresh_trainable() (fairscale_compat.py), and
     nn.Module's zero_grad(set_to_none=True).
     """
@@ -60,7 +65,7 @@ class ShardedDataParallel(FairScaleMethods, DistributedDataParallel):
     rebuild_buckets = False  # buckets are grouped by owner; a rebuild by arrival order would mix owners
 
     # --8<-- [start:init]
-    def __init__(self, module: nn.Module, sharded_optimizer: OSS,
+    def __init__(self, module: nn.Module, sharded_optimizer: OSS | list[OSS],
                  process_group=None, broadcast_buffers: bool = True,
                  sync_models_at_startup: bool = True,
                  reduce_buffer_size: int = FAIRSCALE_REDUCE_BUFFER_SIZE,
@@ -68,12 +73,8 @@ class ShardedDataParallel(FairScaleMethods, DistributedDataParallel):
                  warn_on_trainable_params_changed: bool = True, *,
                  bucket_cap_mb: float | None = None,
                  find_unused_parameters: bool = False, mixed_precision=None):
-        if not isinstance(sharded_optimizer, OSS):
-            name = type(sharded_optimizer).__name__
-            raise TypeError(f"ShardedDataParallel needs a sharded optimizer "
-                            f"(minifsdp.OSS) to know which rank owns each "
-                            f"gradient; got {name}. Wrap it: "
-                            f"OSS(model.parameters(), optim={name}, ...)")
+        # an OSS, or FairScale's list of them (fairscale_compat.py)
+        sharded_optimizer = one_sharded_optimizer(sharded_optimizer)
         if process_group is None:
             process_group = sharded_optimizer.group
         elif (comm.group_ranks(process_group)
@@ -111,25 +112,26 @@ class ShardedDataParallel(FairScaleMethods, DistributedDataParallel):
     # --8<-- [start:bucket_groups]
     def _bucket_groups(
             self, params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
-        """Buckets of one owner each, in the order they fill up as backward
-        produces gradients."""
+        """Buckets of one owner (and one dtype, as DDP's) each, in the order
+        they fill up as backward produces gradients."""
         owner = self._owners()
         open_buckets, sizes, groups = {}, {}, []
         for p in reversed(params):  # the order backward produces gradients
-            r = owner[p]
+            key = (owner[p], p.dtype, p.device)
             nbytes = p.numel() * p.element_size()
             if open_buckets and sum(sizes.values()) + nbytes > self._cap:
-                # The open buckets, one per owner, together wait for no more
-                # than one cap, as DDP's one open bucket does: the fullest is
-                # launched now. Were each owner's bucket allowed a whole cap,
-                # N caps of gradients could wait unsent; and since OSS deals
-                # the parameters out across the whole model, a cap as large as
-                # a share (FairScale's default) fills only at backward's end.
+                # The open buckets, one per owner (and dtype), together wait
+                # for no more than one cap, as DDP's one open bucket does: the
+                # fullest is launched now. Were each owner's bucket allowed a
+                # whole cap, N caps of gradients could wait unsent; and since
+                # OSS deals the parameters out across the whole model, a cap as
+                # large as a share (FairScale's default) fills only at
+                # backward's end.
                 fullest = max(sizes, key=sizes.get)
                 groups.append(open_buckets.pop(fullest))
                 del sizes[fullest]
-            open_buckets.setdefault(r, []).append(p)
-            sizes[r] = sizes.get(r, 0) + nbytes
+            open_buckets.setdefault(key, []).append(p)
+            sizes[key] = sizes.get(key, 0) + nbytes
         groups.extend(open_buckets.values())
         return groups
 
