@@ -224,12 +224,26 @@ MEASURE = r"""
     title: ((pre.closest(".highlight") || pre).querySelector(".filename") || {}).textContent || "",
     first: (pre.textContent.split("\n").find(l => l.trim()) || "").trim().slice(0, 50)}));
   const untypeset = [...document.querySelectorAll(".arithmatex")].filter(e => !e.querySelector(".katex")).length;
-  return {height: document.documentElement.scrollHeight, column, images, tables, listings, untypeset,
+  // where each figure starts on the page, as a reader scrolls to it (folded blocks and hidden tabs are
+  // closed: a figure inside one is not on the main path and has no box)
+  const figureTops = [...document.querySelectorAll(".md-content__inner img")]
+    .filter(img => img.getClientRects().length).map(img => Math.round(img.getBoundingClientRect().top + scrollY));
+  return {height: document.documentElement.scrollHeight, column, images, tables, listings, untypeset, figureTops,
           formulas: document.querySelectorAll(".arithmatex").length,
           pageScrollWidth: document.documentElement.scrollWidth,
           pageClientWidth: document.documentElement.clientWidth};
 })()
 """
+
+
+def main_path(r: dict) -> dict:
+    """What a reader meets on the main path (folded blocks closed, first tabs shown): its height, where the
+    first figure starts, how many figures it shows, and the largest stretch without one (from the top to the
+    first figure, between two, or from the last to the end)."""
+    tops = sorted(r["figureTops"])
+    edges = [0, *tops, r["height"]]
+    return {"height": r["height"], "first_figure": tops[0] if tops else None, "figures": len(tops),
+            "largest_gap": max(b - a for a, b in zip(edges, edges[1:]))}
 
 
 def _hook():
