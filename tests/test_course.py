@@ -235,7 +235,8 @@ def test_student_copy_outside_git_skips_build_outputs_and_itself(tmp_path, capsy
     write_student_copy(src, out, only="3.1")
     assert "1 exercise(s) removed" in capsys.readouterr().out
     assert sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()) == [
-        "README.md", "minifsdp/__init__.py", "minifsdp/three.py", "notebooks/01.ipynb", "tests/test_ch03_x.py"]
+        "README.md", "assignment.json", "minifsdp/__init__.py", "minifsdp/three.py", "notebooks/01.ipynb",
+        "tests/test_ch03_x.py"]  # assignment.json: what was handed out, and the course that grades it
     assert (out / "minifsdp/three.py").read_text() == strip_solutions(SOURCE, only="3.1")
 
 
@@ -254,7 +255,8 @@ def test_student_copy_of_a_git_work_tree_is_what_git_would_commit(tmp_path, caps
     out = tmp_path / "out"
     removed = write_student_copy(src, out, chapters=[3])
     assert [e.id for e in removed] == ["3.1", "3.2"] and "2 exercise(s) removed" in capsys.readouterr().out
-    assert sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()) == expected
+    assert sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()) == sorted(
+        expected + ["assignment.json"])
 
 
 def test_student_copy_of_some_chapters_leaves_the_others_solved(tmp_path):
@@ -267,6 +269,29 @@ def test_student_copy_of_some_chapters_leaves_the_others_solved(tmp_path):
     with pytest.raises(ValueError, match=r"chapter\(s\) 7 have no exercise"):
         write_student_copy(src, tmp_path / "other", chapters=[3, 7])
     assert not (tmp_path / "other").exists()
+
+
+def test_a_student_copy_knows_its_assignment_and_is_graded_against_the_course(tmp_path):
+    """`grade .` in a copy grades what was handed out, on the course's tests: never on the copy's own."""
+    from minifsdp.course.student import read_assignment
+
+    one = "def f():\n    # BEGIN EXERCISE 1.1: one\n    return 1\n    # END EXERCISE\n"
+    src = _project(tmp_path / "src", {"minifsdp/three.py": SOURCE, "minifsdp/one.py": one,
+                                      "tests/test_ch01_one.py": "def test_one():\n    pass\n"})
+    out = tmp_path / "out"
+    write_student_copy(src, out, chapters=[1], quiet=True)
+    assert read_assignment(out) == {"course": str(src.resolve()), "exercises": ["1.1"], "chapters": [1]}
+    assert grading.assignment_defaults(out, None, None) == (src.resolve(), [1])
+    assert grading.assignment_defaults(out, src, "3") == (src, "3")  # what the grader is told comes first
+    assert grading.assignment_defaults(src, None, None) == (None, None)  # not a student copy
+    with pytest.raises(ValueError, match="cannot be its own reference"):
+        grading.assignment_defaults(out, out, None)
+    shutil.move(src, tmp_path / "moved")
+    with pytest.raises(FileNotFoundError, match="not on this machine.*--reference PATH"):
+        grading.assignment_defaults(out, None, None)
+    (out / "assignment.json").write_text("{}")
+    with pytest.raises(ValueError, match="not an assignment"):
+        grading.assignment_defaults(out, None, None)
 
 
 def test_student_copy_refuses_a_non_empty_directory(tmp_path):
@@ -1037,11 +1062,13 @@ def test_a_warm_run_imports_the_copys_package_and_stops_at_its_time_limit(tmp_pa
 
 # -- the guide's table and the "why" questions --------------------------------------------------------------
 
-def test_the_guides_exercise_table_is_current():
+@pytest.mark.timeout(len(EXERCISES) * REMOVAL_TIMEOUT + 60)
+def test_the_guides_exercise_table_is_current(removals):
+    """The guide counts an exercise's test cases as the grader does (the run's collection of the real tests)."""
     from minifsdp.reports.exercises import table
 
     stored = (REPO / "chapters/generated/exercises.md").read_text(encoding="utf-8")
-    assert stored == table(REPO) + "\n", (
+    assert stored == table(REPO, removals["reference"]) + "\n", (
         "chapters/generated/exercises.md is not what the exercises are now: run "
         "python -m minifsdp.reports.exercises --markdown chapters/generated/exercises.md")
 

@@ -32,7 +32,8 @@ from typing import Iterable
 
 from minifsdp.course.assemble import assemble
 from minifsdp.course.runner import PytestRun, plugin_dir, run_pytest
-from minifsdp.course.student import PACKAGE, Exercise, copy_files, find_exercises, project_files
+from minifsdp.course.student import (ASSIGNMENT_FILE, PACKAGE, Exercise, copy_files, find_exercises, project_files,
+                                     read_assignment)
 
 DEFAULT_TIMEOUT = 900.0  # seconds per chapter: the longest chapter takes a few minutes on two cores
 _CHAPTER_TEST = re.compile(r"test_ch(\d+)_\w*\.py")
@@ -62,6 +63,30 @@ def default_reference() -> Path:
         raise FileNotFoundError(f"the running {PACKAGE} ({root / PACKAGE}) is not inside a project with its "
                                 f"tests/; pass --reference with the course project (the one with the solutions)")
     return root
+
+
+def assignment_defaults(submission: str | Path, reference: str | Path | None,
+                        chapters: Iterable[int] | str | None) -> tuple[str | Path | None, Iterable[int] | str | None]:
+    """--reference and --chapters for a student copy, where not given: what its assignment says (the course
+    project it was made from, the chapters handed out). A copy is never its own reference: its tests and
+    conftest.py are the student's to edit."""
+    record = read_assignment(submission)
+    if record is None:
+        return reference, chapters
+    if reference is None:
+        course = Path(record["course"])
+        if not (course / PACKAGE).is_dir() or not (course / "tests").is_dir():
+            raise FileNotFoundError(
+                f"{Path(submission).resolve()} is a student copy of the course project at {course} (its "
+                f"{ASSIGNMENT_FILE} says so), which is not on this machine: grade it against the course's tests "
+                f"with --reference PATH")
+        reference = course
+    if Path(reference).resolve() == Path(submission).resolve():
+        raise ValueError(f"{Path(submission).resolve()} is a student copy and cannot be its own reference: its "
+                         f"tests would grade it. Pass --reference PATH, the course project")
+    if chapters is None and record["chapters"]:
+        chapters = record["chapters"]
+    return reference, chapters
 
 
 # -- what the reference asks ---------------------------------------------------------------------------------
@@ -261,6 +286,7 @@ def grade(submission: str | Path = ".", reference: str | Path | None = None,
     """Grade one submission, print the table, write what was asked for; 0 if every test passed, else 1."""
     from minifsdp.course.report import gradescope_results, print_chapter_row, print_report, print_header
 
+    reference, chapters = assignment_defaults(submission, reference, chapters)
     with plugin_dir() as plugins:
         ref = collect_reference(reference, chapters, plugins, timeout)
         print_header(Path(submission).resolve(), ref)

@@ -332,12 +332,41 @@ def write_student_copy(src_root: str | Path = ".", out_dir: str | Path = "studen
         (out / rel).unlink(missing_ok=True)  # a link is copied as a link: never write through it
         (out / rel).write_text(text, encoding="utf-8")
 
+    gone_ids = {ex.id for ex, _ in removed}
+    write_assignment(out, src, [ex for ex in exercises if ex.id in gone_ids])
     if not quiet:
         print(f"Student copy of {src} written to {out}")
         print(f"{len(removed)} exercise(s) removed; each now raises NotImplementedError until it is written "
               f"between its markers:")
         for ex, line in removed:
             print(f"  {ex.id:>5}  {ex.path.relative_to(src)}:{line}  {ex.title}")
-        print(f"Grade the work, chapter by chapter, with:\n  python -m {PACKAGE} grade {out}")
-    gone = {ex.id for ex, _ in removed}
-    return [ex for ex in exercises if ex.id in gone]
+        print(f"Grade the work, chapter by chapter, with:\n  python -m {PACKAGE} grade {out}\n"
+              f"(it grades the chapters handed out, against {src}'s tests: {ASSIGNMENT_FILE} in the copy says so)")
+    return [ex for ex in exercises if ex.id in gone_ids]
+
+
+# -- what a copy was handed out for ----------------------------------------------------------------------------
+
+ASSIGNMENT_FILE = "assignment.json"
+
+
+def write_assignment(out: Path, course: Path, handed_out: list[Exercise]) -> None:
+    """The copy remembers its assignment: the exercises removed, their chapters, and the course project it was
+    made from, whose tests grade it (never the copy's own, which a student can edit)."""
+    record = {"course": str(course), "exercises": [ex.id for ex in handed_out],
+              "chapters": sorted({ex.chapter for ex in handed_out})}
+    (out / ASSIGNMENT_FILE).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+
+
+def read_assignment(root: str | Path) -> dict | None:
+    """A student copy's assignment (write_assignment), or None where `root` holds none."""
+    path = Path(root) / ASSIGNMENT_FILE
+    if not path.is_file():
+        return None
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+        return {"course": str(record["course"]), "exercises": [str(e) for e in record["exercises"]],
+                "chapters": [int(c) for c in record["chapters"]]}
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{path} is not an assignment this package wrote ({e}); pass --reference and "
+                         f"--chapters to grade the copy") from e

@@ -4,15 +4,14 @@
 
 Read from the package source itself (course/student.py's find_exercises): the id, the chapter, the file and
 function that hold the solution, how many lines a student writes (the reference's, between the markers),
-what it teaches (the marker's title), and the tests that grade it -- counted from their exercise marks in
-tests/, parametrized cases counted once.
+what it teaches (the marker's title), and the test cases that grade it -- collected as the grader collects
+them, so the guide's counts are the grader's.
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
-import re
 from pathlib import Path
 
 from minifsdp.course.student import Exercise, find_exercises
@@ -46,52 +45,47 @@ def solution_lines(exercise: Exercise) -> int:
     return sum(1 for line in lines if line.strip() and not line.strip().startswith("#"))
 
 
-_MARK = re.compile(r"exercise\(([^)]*)\)")
-
-
-def graded_by(root: Path) -> dict[str, dict[str, int]]:
-    """exercise -> {"tests": n, "mechanism": m}: the test functions that carry its mark (on the function,
-    a parametrized case, or the module's pytestmark), read from the source without running pytest."""
+def graded_by(collected) -> dict[str, dict[str, int]]:
+    """exercise -> {"tests": n, "mechanism": m}: the test cases that carry its mark, as the grader counts
+    them (each parametrized case once). A case that a machine skips (none of them does today) would count
+    here and not in that machine's grade: the table does not depend on where it is made.
+    `collected`: the reference's tests as the grader collects them (course.grade.collect_reference)."""
     counts: dict[str, dict[str, int]] = {}
-    for path in sorted((root / "tests").glob("test_*.py")):
-        tree = ast.parse(path.read_text(encoding="utf-8"))
-        module_marks = set()
-        for node in tree.body:
-            if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "pytestmark" for t in node.targets):
-                module_marks |= set(_ids(ast.unparse(node.value)))
-        for node in tree.body:
-            if not isinstance(node, ast.FunctionDef) or not node.name.startswith("test_"):
-                continue
-            text = " ".join(ast.unparse(d) for d in node.decorator_list)
-            ids = set(_ids(text)) | module_marks
-            mechanism = "mechanism" in text
-            for ex in ids:
+    for tests in collected.tests.values():
+        for test in tests:
+            for ex in test.exercises:
                 c = counts.setdefault(ex, {"tests": 0, "mechanism": 0})
                 c["tests"] += 1
-                c["mechanism"] += mechanism
+                c["mechanism"] += test.mechanism
     return counts
 
 
-def _ids(text: str) -> list[str]:
-    return [i for args in _MARK.findall(text) for i in re.findall(r"['\"](\d+\.\d+)['\"]", args)]
+def collect(root: Path = REPO):
+    """The project's chapter tests, collected as the grader collects them."""
+    from minifsdp.course.grade import collect_reference
+    from minifsdp.course.runner import plugin_dir
+
+    with plugin_dir() as plugins:
+        return collect_reference(root, None, plugins)
 
 
-def table(root: Path = REPO) -> str:
+def table(root: Path = REPO, collected=None) -> str:
     exercises = find_exercises(root)
-    counts = graded_by(root)
+    counts = graded_by(collected if collected is not None else collect(root))
     rows = []
     for ex in exercises:
         c = counts.get(ex.id, {"tests": 0, "mechanism": 0})
         where = f"`{ex.path.relative_to(root).as_posix()}`<br>`{enclosing_function(ex)}`"
         rows.append((ex.chapter, [f"**{ex.id}**", where, solution_lines(ex), ex.title,
                                   f"{c['tests']} ({c['mechanism']})"]))
-    header = ["id", "where", "lines", "what it teaches", "tests (mechanism)"]
+    header = ["id", "where", "lines", "what it teaches", "graded cases (mechanism)"]
     parts = [(f"Chapters {lo}–{hi}", md_table(header, [r for ch, r in rows if lo <= ch <= hi]))
              for lo, hi in ((1, 4), (5, 8), (9, 13))]
     total = sum(solution_lines(ex) for ex in exercises)
     return (md_tabs(parts) + f"\n\n{len(exercises)} exercises in {len({ex.chapter for ex in exercises})} "
-            f"chapters, {total} lines of solution in all. \"tests\" counts the test functions marked with the "
-            f"exercise (a parametrized test once); \"mechanism\", those of them that check how it is done.")
+            f"chapters, {total} lines of solution in all. \"graded cases\" counts the test cases marked with the "
+            f"exercise, each parametrized case once, as `python -m minifsdp grade` scores them; \"mechanism\", "
+            f"those of them that check how it is done.")
 
 
 def main(argv: list[str] | None = None) -> None:
