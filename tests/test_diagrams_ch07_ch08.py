@@ -15,6 +15,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "chapters" / "diagrams"))
 ch07 = importlib.import_module("ch07_overlap")
+ch08 = importlib.import_module("ch08_precision")
 
 
 # -- chapter 7 ----------------------------------------------------------------------------------------------------
@@ -68,15 +69,37 @@ def test_a_block_s_views_are_its_modules_in_flat_order():
     assert tuple(dict.fromkeys(names)) == ch07.BUFFER_VIEWS
 
 
+# -- chapter 8 ----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", sorted(ch08.FORMATS))
+def test_the_formats_are_torch_s(name):
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
+    exponent, significand, largest, spacing = ch08.FORMATS[name]
+    info = torch.finfo(dtype)
+    assert 1 + exponent + significand == info.bits
+    assert info.eps == 2.0 ** -significand
+    assert float(largest) == pytest.approx(info.max, rel=0.01)
+    assert float(spacing.split("≈")[1]) == pytest.approx(info.eps, rel=0.02)
+
+
+def test_the_update_is_lost_in_bf16_and_kept_in_fp32():
+    weight, update = ch08.LOST_UPDATE
+    assert (torch.tensor(weight, dtype=torch.bfloat16) + update).item() == weight
+    assert (torch.tensor(weight, dtype=torch.float32) + update).item() != weight
+    assert update < torch.finfo(torch.bfloat16).eps / 2, "closer to 1.0 than to its next bf16 neighbour"
+
+
 # -- the names the pictures use -----------------------------------------------------------------------------------
 NAMES_USED = {  # file: names the chapter 7 and 8 diagrams take from it
     "minifsdp/fsdp/streams.py": ["record_stream"],
     "minifsdp/fsdp/flat_param.py": ["unshard", "reshard", "_full"],
     "minifsdp/fsdp/prefetch.py": ["limit_all_gathers", "forward_prefetch"],
     "minifsdp/measure/meter.py": ["num_alloc_retries"],
+    "minifsdp/fsdp/precision.py": ["grad_for_optimizer", "reduce_dtype"],
+    "minifsdp/mixed_precision.py": ["unscale_", "found_inf", "MAX"],
+    "minifsdp/distributed/comm.py": ["copy_to", "host_to_device", "device_to_host"],
 }
 DRAWN = "".join((REPO / "chapters" / "figures" / "diagrams" / f"{f.__name__}.svg").read_text(encoding="utf-8")
-                for f in ch07.DIAGRAMS)
+                for f in ch07.DIAGRAMS + ch08.DIAGRAMS)
 
 
 @pytest.mark.parametrize("path", sorted(NAMES_USED))
