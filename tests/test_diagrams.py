@@ -231,3 +231,36 @@ def test_the_names_the_diagrams_use_are_the_code_s(path):
     for name in NAMES_USED[path]:
         assert re.search(rf"\b{re.escape(name)}\b", source), f"{path} has no {name}"
         assert name in drawn, f"no diagram uses {name} any more: drop it from this list"
+
+
+# -- chapter 5's newer pictures (chapters/diagrams/ch05_states.py) ------------------------------------------------
+def _module_of(diagram: str):
+    return sys.modules[md.DIAGRAMS[diagram].__module__]
+
+
+def test_chapter_5_unit_states_and_block_are_the_package_s():
+    pytest.importorskip("torch")
+    from minifsdp.fsdp.flat_param import ALIGN_BYTES, ShardState
+    from minifsdp.models import TinyGPT
+    from minifsdp.zero.flat import flat_layout
+
+    ch05 = _module_of("flat_param_states")
+    numels = [math.prod(shape) for _, shape in ch05.UNIT_PARAMS]
+    assert flat_layout(numels, ch05.UNIT_N, ALIGN_BYTES // ch05.UNIT_BYTES) == (ch05.UNIT_OFFSETS, ch05.UNIT_PADDED)
+    assert ch05.UNIT_PARAMS == md.FLAT_PARAMS and ch05.UNIT_N == md.FLAT_N, "the unit of flat_parameter.svg"
+    assert ch05.STATES == [(s.name, s.value) for s in ShardState]
+    block = TinyGPT().blocks[0]
+    assert ch05.BLOCK == [(name, p.numel()) for name, p in block.named_parameters()]
+
+
+@pytest.mark.parametrize("path,names", [
+    ("minifsdp/fsdp/flat_param.py", ["unshard", "wait_for_unshard", "reshard", "reduce_scatter_grad",
+                                     "grad_for_optimizer", "_alloc_storage", "_full", "all_gather"]),
+])
+def test_the_names_the_chapter_5_diagrams_use_are_the_code_s(path, names):
+    source = (REPO / path).read_text(encoding="utf-8")
+    drawn = "".join((COMMITTED / f"{name}.svg").read_text(encoding="utf-8")
+                    for name in NAMES if md.DIAGRAMS[name].__module__ == "ch05_states")
+    for name in names:
+        assert re.search(rf"\b{re.escape(name)}\b", source), f"{path} has no {name}"
+        assert name in drawn, f"no chapter 5 diagram uses {name} any more: drop it from this list"
