@@ -264,3 +264,34 @@ def test_the_names_the_chapter_5_diagrams_use_are_the_code_s(path, names):
     for name in names:
         assert re.search(rf"\b{re.escape(name)}\b", source), f"{path} has no {name}"
         assert name in drawn, f"no chapter 5 diagram uses {name} any more: drop it from this list"
+
+
+# -- chapter 10's newer pictures (chapters/diagrams/ch10_checkpoints.py) ------------------------------------------
+def test_chapter_10_layouts_and_boxes_are_the_package_s():
+    pytest.importorskip("torch")
+    import torch
+
+    from minifsdp.checkpoint.flat_chunks import boxes
+    from minifsdp.fsdp.flat_param import ALIGN_BYTES
+    from minifsdp.zero.flat import flat_layout
+    from minifsdp.zero.oss import partition_parameters
+
+    ch10 = _module_of("checkpoint_layouts")
+    names = list(ch10.SHAPES)
+    numels = [math.prod(ch10.SHAPES[name]) for name in names]
+    offsets, padded = flat_layout(numels, ch10.N, ALIGN_BYTES // 4)
+    assert (dict(zip(names, offsets)), padded) == (ch10.OFFSETS, ch10.PADDED)
+    # who holds which element of w: FSDP's (and a flat bucket's) chunk r is [r * shard, (r + 1) * shard)
+    shard = padded // ch10.N
+    w = names.index("w")
+    for q in range(ch10.N):
+        lo, hi = max(offsets[w], q * shard), min(offsets[w] + numels[w], (q + 1) * shard)
+        drawn = [k for k in range(numels[w]) if ch10._flat_owner("w", k) == q]
+        assert drawn == list(range(lo - offsets[w], hi - offsets[w])), q
+    params = [torch.nn.Parameter(torch.zeros(ch10.SHAPES[name])) for name in names]
+    parts = _exercise(lambda: partition_parameters([{"params": params}], ch10.N), "3.1")
+    owner = {id(p): r for r, groups in enumerate(parts) for group in groups for p in group["params"]}
+    assert {name: owner[id(p)] for name, p in zip(names, params)} == ch10.OSS_OWNER
+    start, end = ch10.RANGE
+    got = _exercise(lambda: boxes(ch10.RANGE_SHAPE, start, end), "10.1")
+    assert [(tuple(o), tuple(s)) for o, s in got] == ch10.RANGE_BOXES
