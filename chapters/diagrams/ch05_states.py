@@ -106,13 +106,13 @@ STORAGE_BYTES = UNIT_PADDED * UNIT_BYTES          # _full's storage: 192 bytes
 def flat_param_storage() -> Canvas:
     full = STORAGE_BYTES
     c = Canvas("flat_param_storage", 300, "reshard() frees the storage under the views, not the views",
-               f"Three panels. Unsharded, after forward: the tensor _full and the weight view autograd saved for "
+               f"Three panels. Unsharded, once forward has run: the tensor _full and the weight view autograd saved for "
                f"backward both point at one storage of {full} bytes. Dropping _full instead of resizing: the saved "
                f"view still points at the storage, so its {full} bytes stay allocated until backward. reshard(): the "
                "storage is resized to 0 bytes; _full and the saved view remain valid objects with no bytes behind "
                f"them. Below: before backward, unshard() resizes the same storage back to {full} bytes and the "
                "all-gather writes into it, so the saved view reads the right values again.")
-    panels = [("after forward", "unsharded", True, full, f"{full} bytes held"),
+    panels = [("forward has run, unsharded", "unsharded", True, full, f"{full} bytes held"),
               ("drop _full instead", "dropped", False, full, f"{full} bytes still held, by the view"),
               ("reshard(): resize_(0)", "reshard", True, 0, "0 bytes: the memory is back")]
     pw, gap = 210, 15
