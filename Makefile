@@ -25,7 +25,9 @@ diagrams:         ## draw the chapters' SVG diagrams (plain Python: chapters/dia
 	    chapters/figures/diagrams/flat_param_grad.svg chapters/figures/diagrams/flat_param_tied.svg \
 	    chapters/figures/diagrams/flat_param_why.svg chapters/figures/diagrams/flat_param_views.svg \
 	    chapters/figures/diagrams/checkpoint_layouts.svg chapters/figures/diagrams/checkpoint_boxes.svg \
-	    chapters/figures/diagrams/checkpoint_state_dicts.svg chapters/figures/diagrams/checkpoint_atomic.svg
+	    chapters/figures/diagrams/checkpoint_state_dicts.svg chapters/figures/diagrams/checkpoint_atomic.svg \
+	    chapters/figures/diagrams/fsdp_wrap_units.svg chapters/figures/diagrams/fsdp_step.svg chapters/figures/diagrams/fsdp_hooks.svg chapters/figures/diagrams/fsdp_raf_nraf.svg \
+	    chapters/figures/diagrams/fsdp1_strategies.svg
 
 figures: diagrams ## regenerate every figure and table the chapters include
 	$(PY) -m minifsdp tour --world-size 2 --steps 5 --plot chapters/figures/tour_memory.svg --markdown chapters/generated/tour_ws2.md
