@@ -3,7 +3,7 @@ strategies as process groups.
 
 What they show of the code is written here as data (the units each policy makes of the tour GPT and what
 each unit's FlatParameter holds; the order of one step's collectives; the groups of each strategy), and
-tests/test_ch06_diagrams.py checks it against the package.
+tests/test_diagrams_ch06.py checks it against the package.
 """
 
 from __future__ import annotations
