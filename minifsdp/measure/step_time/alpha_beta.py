@@ -57,6 +57,7 @@ def wire_bytes(kind: str, nbytes: float, n: int,
     return ring_bytes(kind, nbytes, n) if algorithm == "ring" else 2.0 * nbytes
 
 
+# --8<-- [start:alpha_beta_fn]
 def alpha_beta(kind: str, nbytes: float, n: int, link: Link,
                algorithm: str = "ring") -> float:
     """Seconds for a collective over `nbytes` (the full, unsharded size) on n
@@ -69,6 +70,7 @@ def alpha_beta(kind: str, nbytes: float, n: int, link: Link,
     step = link.alpha if algorithm == "ring" else link.tree_step
     return (step * algorithm_steps(kind, n, algorithm)
             + wire_bytes(kind, nbytes, n, algorithm) / link.busbw)
+# --8<-- [end:alpha_beta_fn]
 
 
 def ring_tree_crossover(n: int, link: Link) -> float:
