@@ -134,3 +134,12 @@ def test_nraf_steps_are_the_model_s(st):
         assert nraf <= raf
         if spread:  # where the all-gathers hide, not resharding buys nothing
             assert math.isclose(nraf, raf)
+
+
+def test_published_errors_are_compare_published(st):
+    predicted = [x for x in st.compare_published() if not x["row"].calibration]
+    assert len(ch13.PUBLISHED_ERRORS) == len(predicted)
+    for (source, checkpointed, error), x in zip(ch13.PUBLISHED_ERRORS, predicted):
+        assert source == x["row"].source.name
+        assert checkpointed == (x["row"].run.ac != "none")
+        assert error == pytest.approx(x["error"], abs=5e-5)

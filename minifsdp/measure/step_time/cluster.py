@@ -81,7 +81,6 @@ class Cluster:
         return self.nodes * self.gpus_per_node
 
     # --8<-- [start:hierarchy]
-    # --8<-- [start:busbw]
     def busbw(self, group: Group) -> float:
         """The bus bandwidth a group's ranks get. Within a node: NVLink's. Across
         nodes, a ring enters and leaves each node once per channel, and NCCL runs
@@ -94,7 +93,6 @@ class Cluster:
             return self.gpu.nvlink.busbw
         rails = min(group.per_node, self.nics_per_node) if self.spread_rings else 1
         return min(self.gpu.nvlink.busbw, rails * self.nic.busbw)
-    # --8<-- [end:busbw]
 
     def collective(self, kind: str, nbytes: float, group: Group,
                    algorithm: str = "auto") -> float:

@@ -123,7 +123,6 @@ def fsdp_program(unit_list: list[Unit], ag, rs, forward_prefetch: bool = True,
         prog.extend(Wait(t) for t in pending)
         pending.clear()
 
-    # --8<-- [start:fsdp_backward]
     if backward_prefetch == "pre" and blocks:
         gather(blocks[-1], "backward")
     prog.append(Compute(f"backward {root.name}", root.backward[0]))
@@ -143,7 +142,6 @@ def fsdp_program(unit_list: list[Unit], ag, rs, forward_prefetch: bool = True,
         if reduce:
             # ... ahead of our reduce-scatter
             reduce_scatter(u)
-    # --8<-- [end:fsdp_backward]
     # the embedding's gradient
     prog.append(Compute(f"backward {root.name}", root.backward[1]))
     before_concat()
