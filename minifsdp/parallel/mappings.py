@@ -149,6 +149,7 @@ def _f_or_g(mapping: str, direction: str, x: torch.Tensor,
     comm.all_reduce(out, group=group, tag=f"{mapping} {direction}")
     return out
     # END EXERCISE
+# --8<-- [end:f_or_g]
 
 
 class _CopyToModelParallelRegion(torch.autograd.Function):
@@ -162,7 +163,6 @@ class _CopyToModelParallelRegion(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         return _f_or_g("f", "backward", grad_output, ctx.group), None
-# --8<-- [end:f_or_g]
 
 
 class _ReduceFromModelParallelRegion(torch.autograd.Function):

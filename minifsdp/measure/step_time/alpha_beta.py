@@ -29,6 +29,7 @@ class Link:
 
 
 # --8<-- [start:alpha_beta]
+# --8<-- [start:algorithm_steps]
 def algorithm_steps(kind: str, n: int, algorithm: str = "ring") -> int:
     """How many steps (each paying alpha once) a collective over n ranks
     takes."""
@@ -45,6 +46,7 @@ def algorithm_steps(kind: str, n: int, algorithm: str = "ring") -> int:
         return 2 * math.ceil(math.log2(n))
     # END EXERCISE
     raise ValueError(f"algorithm must be 'ring' or 'tree', not {algorithm!r}")
+# --8<-- [end:algorithm_steps]
 
 
 def wire_bytes(kind: str, nbytes: float, n: int,
