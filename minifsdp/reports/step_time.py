@@ -170,7 +170,7 @@ def published_text() -> str:
             f"error {100 * statistics.median(abs(e) for e in flat_errors):.1f}%)\n\n" + "\n".join(multi)
             + "\n\nWhat the model leaves out, and so where to expect its errors:\n\n" + LACKS
             + "\n\nSources\n\n" + "\n".join(sources)
-            + "\n\nLooked for and not found in the stored sources, so left out rather than quoted from memory: "
+            + "\n\nLeft out, as their settings are not in the stored sources and the model cannot be run on them: "
             + "; ".join(st.NOT_FOUND) + ".")
 
 
