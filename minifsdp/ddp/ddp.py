@@ -164,6 +164,7 @@ class DistributedDataParallel(nn.Module):
 
     # -- backward: hooks fire as gradients land ------------------------------------------------------------
     # --8<-- [start:hooks]
+    # --8<-- [start:on_grad_ready]
     def _on_grad_ready(self, p: nn.Parameter) -> None:
         if self.grad_sync is GradSync.LOCAL:
             return  # its forward ran inside no_sync(): gradients accumulate locally
@@ -184,7 +185,9 @@ class DistributedDataParallel(nn.Module):
                 buckets[self._next].ready == len(buckets[self._next].params):
             self._launch(buckets[self._next])
             self._next += 1
+    # --8<-- [end:on_grad_ready]
 
+    # --8<-- [start:flatten]
     def _flatten(self, bucket: _Bucket, release: bool = False) -> torch.Tensor:
         """The bucket's gradients as one flat tensor, already multiplied by 1/N.
         release=True drops each .grad as soon as it is copied (ZeRO-2 needs them
@@ -208,7 +211,9 @@ class DistributedDataParallel(nn.Module):
         # does while filling its buckets: the same rounding, so the same bits.
         # (x * (1/3) and x / 3 can differ in the last bit.)
         return flat.mul_(1.0 / self.world_size)
+    # --8<-- [end:flatten]
 
+    # --8<-- [start:launch]
     def _launch(self, bucket: _Bucket) -> None:
         # BEGIN EXERCISE 1.2: average the bucket's gradients by an async all-reduce
         bucket.flat = self._flatten(bucket)
@@ -216,9 +221,11 @@ class DistributedDataParallel(nn.Module):
                                         tag=f"bucket{self._next}",
                                         group=self.process_group)
         # END EXERCISE
+    # --8<-- [end:launch]
     # --8<-- [end:hooks]
 
     # --8<-- [start:finish]
+    # --8<-- [start:end_of_backward]
     def _finish(self) -> None:
         """End of backward: every bucket must have been launched; wait for them
         and write .grad back."""
@@ -249,7 +256,9 @@ class DistributedDataParallel(nn.Module):
         for bucket in self._buckets:
             self._write_back(bucket, globally_used)
             bucket.handle = bucket.flat = None
+    # --8<-- [end:end_of_backward]
 
+    # --8<-- [start:write_back]
     def _write_back(self, bucket: _Bucket, globally_used: dict | None) -> None:
         # BEGIN EXERCISE 1.3: wait for the all-reduce, copy the averages into .grad
         bucket.handle.wait()
@@ -265,6 +274,7 @@ class DistributedDataParallel(nn.Module):
         # END EXERCISE
         # copied out: free it now (comm.release says why not just drop it)
         comm.release(bucket.flat)
+    # --8<-- [end:write_back]
     # --8<-- [end:finish]
 
     def _globally_used(self) -> dict:

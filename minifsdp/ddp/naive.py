@@ -43,6 +43,7 @@ class NaiveDDP(nn.Module):
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
 
+    # --8<-- [start:average]
     def _queue_average(self, p: nn.Parameter) -> None:
         if not self._queued:  # once per backward: average when it is over
             engine = torch.autograd.Variable._execution_engine
@@ -65,4 +66,5 @@ class NaiveDDP(nn.Module):
                 p.grad = torch.zeros_like(p)
             # as torch's DDP averages: times 1/N first, then the sum
             comm.all_reduce(p.grad.mul_(1.0 / n), group=self.process_group)
+    # --8<-- [end:average]
 # --8<-- [end:naive]

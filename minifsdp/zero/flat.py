@@ -277,6 +277,7 @@ class FlatOSS(FlatStateDict, torch.optim.Optimizer):
         # optimizer must follow them.
         for b, local_group in zip(self.buckets, self._local.param_groups):
             local_group.update(self._hyper(b.group))
+        # --8<-- [start:step_core]
         # BEGIN EXERCISE 3.3: reduce-scatter the grads, step the shards, all-gather
         for b in self.buckets:
             if self.grad_reduction is GradReduction.IN_STEP:
@@ -297,6 +298,7 @@ class FlatOSS(FlatStateDict, torch.optim.Optimizer):
                 # allows and llm.c does: no copy
                 comm.all_gather(b.flat, b.shard, tag="params", group=self.group)
         # END EXERCISE
+        # --8<-- [end:step_core]
         self._consolidated = None
         self._forget_reduction()
         return loss

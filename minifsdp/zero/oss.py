@@ -180,6 +180,7 @@ class OSS(torch.optim.Optimizer):
     # --8<-- [end:param_groups]
 
     # --8<-- [start:step]
+    # --8<-- [start:step_method]
     @torch.no_grad()
     def step(self, closure=None):
         # LR schedulers change self.param_groups: carry every hyper-parameter
@@ -191,6 +192,7 @@ class OSS(torch.optim.Optimizer):
         self._sync_params()
         _copy_hyper_parameters(self.optim.param_groups, self.param_groups)
         return loss
+    # --8<-- [end:step_method]
 
     def _local_step(self, closure):
         """This rank's optimizer steps its share (passed a closure only when
@@ -199,6 +201,7 @@ class OSS(torch.optim.Optimizer):
             return self.optim.step()
         return self.optim.step(closure=closure)
 
+    # --8<-- [start:sync_params]
     def _sync_params(self) -> None:
         """Make every replica current: each rank's updated parameters go to
         everyone."""
@@ -224,6 +227,7 @@ class OSS(torch.optim.Optimizer):
                 # at a time
                 comm.release(flat)
                 # END EXERCISE
+    # --8<-- [end:sync_params]
 
     def _broadcast_buckets(self, share) -> list[list[torch.Tensor]]:
         """An owner's flat broadcasts: one per dtype (a flat tensor holds one;

@@ -110,6 +110,7 @@ class ShardedDataParallel(FairScaleMethods, DistributedDataParallel):
     # --8<-- [end:init]
 
     # --8<-- [start:bucket_groups]
+    # --8<-- [start:owner_buckets]
     def _bucket_groups(
             self, params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
         """Buckets of one owner (and one dtype, as DDP's) each, in the order
@@ -134,6 +135,7 @@ class ShardedDataParallel(FairScaleMethods, DistributedDataParallel):
             sizes[key] = sizes.get(key, 0) + nbytes
         groups.extend(open_buckets.values())
         return groups
+    # --8<-- [end:owner_buckets]
 
     def _set_buckets(self, groups) -> None:
         self._owner = self._owners()
