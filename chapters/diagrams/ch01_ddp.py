@@ -1,6 +1,6 @@
 """Chapter 1's diagrams: the four collectives on three ranks, and the naive DDP next to PyTorch's.
 
-What they show of the code is written here as data: the collectives' results (tests/test_ch01_diagrams.py
+What they show of the code is written here as data: the collectives' results (tests/test_diagrams_ch01.py
 runs the same collectives through minifsdp.distributed.comm on three ranks), and a small model of one
 backward pass whose buckets are packed as ddp.py's _pack packs them (the same test checks it).
 """
@@ -61,7 +61,7 @@ def four_collectives() -> Canvas:
 # -- naive DDP against buckets and overlap ---------------------------------------------------------------------------
 # One backward pass of four layers (4 time units each), each with a weight and a bias whose all-reduce moves
 # 1.5 and 0.5 units of bytes; every call also pays a fixed cost. DDP's buckets are ddp.py's _pack of the
-# gradients in the order backward produces them, with a cap of one layer's bytes (tests/test_ch01_diagrams.py).
+# gradients in the order backward produces them, with a cap of one layer's bytes (tests/test_diagrams_ch01.py).
 DDP_LAYERS = (4, 3, 2, 1)                 # the order backward reaches them
 DDP_T_LAYER = 4                           # backward compute of one layer
 DDP_SEND = {"weight": 1.5, "bias": 0.5}   # time to move each gradient's bytes
@@ -201,7 +201,7 @@ def ddp_bucket_order() -> Canvas:
 
 # -- no_sync ----------------------------------------------------------------------------------------------------------
 # Two micro-batches: the first forward runs inside no_sync(), so its backward sends nothing and .grad keeps g1;
-# the second's backward all-reduces g1 + g2, bucket by bucket. tests/test_ch01_diagrams.py counts the
+# the second's backward all-reduces g1 + g2, bucket by bucket. tests/test_diagrams_ch01.py counts the
 # all-reduces of each backward under DistributedDataParallel.
 NO_SYNC_ALL_REDUCES = (0, 2)  # all-reduces issued by each backward, with two buckets
 

@@ -2,7 +2,7 @@
 sharding the optimizer state pays off; and the flat design's step.
 
 What they show of the code is written here as data (the model-state bytes of each optimizer under DDP and
-OSS, from the analytic model; the flat layout of the example), and tests/test_ch03_diagrams.py checks it
+OSS, from the analytic model; the flat layout of the example), and tests/test_diagrams_ch03.py checks it
 against the package.
 """
 
@@ -69,7 +69,7 @@ def oss_step() -> Canvas:
 
 # -- when it pays off -------------------------------------------------------------------------------------------------
 # Model-state bytes a parameter, per rank at N = 4, fp32, under DDP (ZeRO stage 0) and OSS (stage 1), for three
-# optimizers: (optimizer, its state in bytes a parameter, DDP's total, OSS's total). tests/test_ch03_diagrams.py
+# optimizers: (optimizer, its state in bytes a parameter, DDP's total, OSS's total). tests/test_diagrams_ch03.py
 # checks them against minifsdp.measure.analytic.model_state_bytes, and each optimizer's state against torch's.
 PAYS_N = 4
 PAYS_ROWS = [("SGD(lr)", 0, 8, 8.0), ("SGD(lr, momentum=0.9)", 4, 12, 9.0), ("AdamW(lr)", 8, 16, 10.0)]
@@ -118,7 +118,7 @@ def oss_when_it_pays() -> Canvas:
 
 # -- the flat design ----------------------------------------------------------------------------------------------------
 # Three parameters of 5, 2 and 4 elements, laid end to end at N = 4 (no alignment, for the picture): their
-# offsets and the padded size, as minifsdp.zero.flat.flat_layout gives them (tests/test_ch03_diagrams.py).
+# offsets and the padded size, as minifsdp.zero.flat.flat_layout gives them (tests/test_diagrams_ch03.py).
 FLAT_N = 4
 FLAT_PARAMS = [("a", 5), ("b", 2), ("c", 4)]
 FLAT_OFFSETS, FLAT_PADDED = [0, 5, 7], 12

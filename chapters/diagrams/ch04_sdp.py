@@ -3,7 +3,7 @@ reduce-scatter; how ShardedDataParallel packs its buckets, one owner each; and w
 (reduce_buffer_size) trades within a node and across nodes.
 
 What they show of the code is written here as data (the example's owners, from OSS's partition, and its
-buckets, from ShardedDataParallel._bucket_groups), and tests/test_ch04_diagrams.py checks it against the
+buckets, from ShardedDataParallel._bucket_groups), and tests/test_diagrams_ch04.py checks it against the
 package.
 """
 
@@ -61,7 +61,7 @@ def zero2_where_gradients_go() -> Canvas:
 # -- SDP's buckets --------------------------------------------------------------------------------------------------
 # Six layers at N = 2, one weight each, of these sizes (registration order). OSS's greedy partition gives the owners;
 # ShardedDataParallel._bucket_groups packs the gradients, in the order backward produces them (L6 first), into
-# buckets of one owner each, the open ones sharing a cap of 6. tests/test_ch04_diagrams.py checks both.
+# buckets of one owner each, the open ones sharing a cap of 6. tests/test_diagrams_ch04.py checks both.
 BUCKETS_N = 2
 BUCKETS_SIZES = {"L1": 3, "L2": 2, "L3": 3, "L4": 1, "L5": 2, "L6": 3}
 BUCKETS_OWNERS = {"L1": 0, "L2": 1, "L3": 1, "L4": 0, "L5": 1, "L6": 0}
