@@ -21,7 +21,7 @@ diagrams:         ## draw the chapters' SVG diagrams (plain Python: chapters/dia
 	    chapters/figures/diagrams/pipeline_1f1b.svg
 
 figures: diagrams ## regenerate every figure and table the chapters include
-	$(PY) -m minifsdp tour --world-size 2 --steps 5 --plot chapters/figures/tour_memory.svg --markdown chapters/generated/tour_ws2.md
+	$(PY) -m minifsdp tour --world-size 2 --steps 5 --plot-world-size 4 --plot chapters/figures/tour_memory.svg --markdown chapters/generated/tour_ws2.md
 	$(PY) -m minifsdp.reports.models --markdown chapters/generated/models.md
 	$(PY) -m minifsdp.reports.exercises --markdown chapters/generated/exercises.md
 	$(PY) -m minifsdp.reports.grading --markdown chapters/generated/grading.md
