@@ -20,7 +20,8 @@ diagrams:         ## draw the chapters' SVG diagrams (plain Python: chapters/dia
 	    chapters/figures/diagrams/checkpoint_reshard.svg chapters/figures/diagrams/hsdp_mesh.svg chapters/figures/diagrams/tp_f_g.svg \
 	    chapters/figures/diagrams/pipeline_1f1b.svg \
 	    chapters/figures/diagrams/road.svg \
-	    chapters/figures/diagrams/rank_memory.svg chapters/figures/diagrams/step_memory.svg
+	    chapters/figures/diagrams/rank_memory.svg chapters/figures/diagrams/step_memory.svg chapters/figures/diagrams/launch_ranks.svg \
+	    chapters/figures/diagrams/memory_terms.svg
 
 figures: diagrams ## regenerate every figure and table the chapters include
 	$(PY) -m minifsdp tour --world-size 2 --steps 5 --plot-world-size 4 --plot chapters/figures/tour_memory.svg --markdown chapters/generated/tour_ws2.md

@@ -1,4 +1,5 @@
-"""The home page's picture: the road through the chapters (chapters/index.md).
+"""The home page's picture, the road through the chapters (chapters/index.md), and the set-up page's, how
+launch starts the ranks (chapters/setup.md).
 
 Drawn by make_diagrams.py, which finds this module; `from canvas import *` gives the canvas and the colours.
 """
@@ -53,4 +54,32 @@ def road() -> Canvas:
     return c
 
 
-DIAGRAMS = (road,)
+def launch_ranks() -> Canvas:
+    n = 4
+    c = Canvas("launch_ranks", 232, "launch(work, world_size=4): four ranks, one process group, the results in rank order",
+               "On the left, your process calls launch(work, world_size=4). Arrows lead to four ranks, rank 0 to "
+               "rank 3, each a process of its own that joins one process group (gloo on CPUs, NCCL with one GPU "
+               "per rank) and runs work(). Arrows lead from each rank to the right, where launch returns what each "
+               "rank returned, as a list in rank order. Under torchrun the four processes already exist, and "
+               "launch joins the group and runs work in place on each.")
+    top, h, step = 26, 30, 40
+    group_x, group_w = 226, 220
+    c.rect(group_x - 12, top - 18, group_w + 24, n * step + 26, dash=True)
+    c.text(group_x + group_w / 2, top - 4, "one process group: gloo, or NCCL", size=MIN_FONT, anchor="middle")
+    mid = top + 8 + (n * step - 10) / 2
+    c.box(10, mid - 28, 170, 56, [("launch(work, 4)", {"mono": True}), "in your process"], GRAY, size=MIN_FONT)
+    c.box(490, mid - 28, 180, 56, [("[r0, r1, r2, r3]", {"mono": True}), "returned in rank order"], GRAY,
+          size=MIN_FONT)
+    for r in range(n):
+        y = top + 8 + r * step
+        c.box(group_x, y, group_w, h, f"rank {r}: a process, runs work()", RANKS[r], size=MIN_FONT)
+        c.path(f"M180,{num(mid)} C200,{num(mid)} 200,{num(y + h / 2)} {group_x - 2},{num(y + h / 2)}",
+               [(180, mid), (group_x - 2, y + h / 2)], arrow=True, width=1.2)
+        c.path(f"M{group_x + group_w},{num(y + h / 2)} C470,{num(y + h / 2)} 470,{num(mid)} 488,{num(mid)}",
+               [(group_x + group_w, y + h / 2), (488, mid)], arrow=True, width=1.2)
+    c.text(10, 222, "Under torchrun the ranks already exist: launch joins the group and runs work in place on each.",
+           size=MIN_FONT)
+    return c
+
+
+DIAGRAMS = (road, launch_ranks)

@@ -1,4 +1,5 @@
-"""Chapter 2's pictures (chapters/02_memory.md): what one rank's memory is made of.
+"""Chapter 2's pictures (chapters/02_memory.md): what one rank's memory is made of; and the sum the memory
+calculator adds up from it (chapters/13_calculator.md).
 
 Drawn by make_diagrams.py, which finds this module; `from canvas import *` gives the canvas and the colours.
 """
@@ -110,4 +111,32 @@ def step_memory() -> Canvas:
     return c
 
 
-DIAGRAMS = (rank_memory, step_memory)
+def memory_terms() -> Canvas:
+    """What the memory calculator of chapter 13 adds up for one rank (analytic.estimate), term by term."""
+    c = Canvas("memory_terms", 110, "What one rank needs for a training step: model states, FSDP's unsharded units, "
+               "activations", "Three groups of boxes joined by plus signs. First the model states: parameters, "
+               "gradients and optimizer state, 4 + 4 + 8 bytes a parameter in fp32 or 2 + 2 + 12 in bf16 mixed "
+               "precision, each divided by N from the ZeRO stage that shards it. Plus, under ZeRO-3 only, FSDP's "
+               "unsharded units: one block's parameters, two with prefetch. Plus the activations: per block "
+               "s times b times h times (34 + 5 a s / h) bytes in 16 bits, times the L blocks, and the fp32 logits, "
+               "4 s b V: an estimate.")
+    y, h = 8, 30
+    x = 10
+    for label, w, fill in (("params", 56, BLUE), ("grads", 56, ORANGE), ("optim", 112, GREEN)):
+        c.box(x, y, w, h, label, fill, size=MIN_FONT)
+        x += w
+    under = [(10, ["bytes a parameter: 4 + 4 + 8", "(fp32) or 2 + 2 + 12 (bf16),", "÷ N from the stage sharding it"]),
+             (270, ["ZeRO-3 only: one", "block unsharded,", "two with prefetch"]),
+             (456, ["per block s·b·h·(34 + 5as/h)", "in 16 bits, × L blocks; + the", "fp32 logits 4·s·b·V: an estimate"])]
+    c.text(247, y + 21, "+", size=18, anchor="middle", bold=True)
+    c.box(270, y, 76, h, "block", BLUE, size=MIN_FONT, dash=True)
+    c.box(346, y, 76, h, "next one", BLUE, size=MIN_FONT, dash=True)
+    c.text(439, y + 21, "+", size=18, anchor="middle", bold=True)
+    c.box(456, y, 214, h, "activations", GRAY, size=MIN_FONT)
+    for left, lines in under:
+        for k, line in enumerate(lines):
+            c.text(left, y + h + 22 + 18 * k, line, size=MIN_FONT)
+    return c
+
+
+DIAGRAMS = (rank_memory, step_memory, memory_terms)
