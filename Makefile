@@ -33,10 +33,13 @@ diagrams:         ## draw the chapters' SVG diagrams (plain Python: chapters/dia
 	    chapters/figures/diagrams/ddp_naive_vs_overlap.svg chapters/figures/diagrams/four_collectives.svg \
 	    chapters/figures/diagrams/ddp_bucket_order.svg chapters/figures/diagrams/ddp_no_sync.svg \
 	    chapters/figures/diagrams/oss_step.svg chapters/figures/diagrams/oss_when_it_pays.svg chapters/figures/diagrams/flat_oss_step.svg \
-	    chapters/figures/diagrams/zero2_where_gradients_go.svg chapters/figures/diagrams/sdp_buckets.svg chapters/figures/diagrams/sdp_bucket_size.svg
+	    chapters/figures/diagrams/zero2_where_gradients_go.svg chapters/figures/diagrams/sdp_buckets.svg chapters/figures/diagrams/sdp_bucket_size.svg \
+	    chapters/figures/diagrams/road.svg \
+	    chapters/figures/diagrams/rank_memory.svg chapters/figures/diagrams/step_memory.svg chapters/figures/diagrams/launch_ranks.svg \
+	    chapters/figures/diagrams/memory_terms.svg
 
 figures: diagrams ## regenerate every figure and table the chapters include
-	$(PY) -m minifsdp tour --world-size 2 --steps 5 --plot chapters/figures/tour_memory.svg --markdown chapters/generated/tour_ws2.md
+	$(PY) -m minifsdp tour --world-size 2 --steps 5 --plot-world-size 4 --plot chapters/figures/tour_memory.svg --markdown chapters/generated/tour_ws2.md
 	$(PY) -m minifsdp.reports.models --markdown chapters/generated/models.md
 	$(PY) -m minifsdp.reports.exercises --markdown chapters/generated/exercises.md
 	$(PY) -m minifsdp.reports.grading --markdown chapters/generated/grading.md

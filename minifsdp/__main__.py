@@ -48,6 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     tour.add_argument("--strategies", nargs="+", default=None, help="a few of them (default: all)")
     tour.add_argument("--device", default="cpu", choices=["auto", "cpu", "cuda"])
     tour.add_argument("--plot", default="tour_memory.svg", help="where to write the memory plot (.svg or .png)")
+    tour.add_argument("--plot-world-size", type=int, default=None,
+                      help="measure the plot at this many ranks (default: the tour's --world-size)")
     tour.add_argument("--markdown", default=None, help="also write the tables as Markdown to this file")
 
     memory = sub.add_parser("memory", help="chapter 2: DDP's per-rank memory and traffic vs the analytic model")
@@ -219,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "tour":
         from minifsdp.reports.tour import run_tour
         run_tour(world_size=args.world_size, steps=args.steps, device=args.device, plot=args.plot,
-                 markdown=args.markdown, strategies=args.strategies)
+                 markdown=args.markdown, strategies=args.strategies, plot_world_size=args.plot_world_size)
     elif args.command == "memory":
         from minifsdp.reports.tour import run_memory_report
         run_memory_report(strategies=args.strategies, world_sizes=args.world_sizes, steps=args.steps, plot=args.plot, markdown=args.markdown, bars=args.bars, model=args.model)

@@ -231,3 +231,45 @@ def test_the_page_runs_in_a_browser(request, tmp_path_factory, tmp_path):
                       precision="fp32", checkpointing="full")
     assert shown_total(dom) == f"{chosen['total'] / GB:.2f}"
     assert f"{chosen['sent_across'] / GB:.2f} GB across the groups" in dom
+
+
+def test_the_calculator_draws_in_the_figures_palette():
+    """One palette on the site: the calculator's bars are coloured as every chart and diagram colours the model
+    states (minifsdp/reports/style.py's CATEGORY: parameters blue, gradients orange, optimizer state green,
+    the rest grey), in both of material's schemes (no scheme sets other colours), FSDP's unsharded units in
+    the parameters' blue and its pale."""
+    from minifsdp.reports import style
+
+    css = (REPO / "chapters" / "css" / "calculator.css").read_text(encoding="utf-8")
+    colours = dict(re.findall(r"--mc-([a-z-]+):\s*(#[0-9a-fA-F]{6})", css))
+    assert {k: colours[k].lower() for k in ("params", "grads", "optim", "activations")} == {
+        "params": style.CATEGORY["params"], "grads": style.CATEGORY["grads"], "optim": style.CATEGORY["optim"],
+        "activations": style.CATEGORY["other"]}
+    assert colours["units"].lower() == style.CATEGORY["params"]
+    assert colours["units-stripe"].lower() == style.pale(style.CATEGORY["params"], 0.5)
+    assert len(re.findall(r"--mc-[a-z-]+:\s*#", css)) == len(colours), "a colour is set twice (a scheme of its own?)"
+
+
+WIDGETS = REPO / "chapters" / "widgets"
+
+
+@pytest.mark.skipif(BROWSER is None, reason="no chromium: the widgets are not run in a browser (apt-get install chromium)")
+def test_the_compact_widgets_show_estimate_s_numbers(tmp_path):
+    """The chapters' compact widgets (chapters/widgets/*.html), mounted by the calculator's script: chapter 2's
+    bars are the four ZeRO stages' model states for the Ψ and N it starts on; chapter 6's are FSDP's at each
+    world size, its unsharded units with them."""
+    page = tmp_path / "widgets.html"
+    page.write_text('<html><head><meta charset="utf-8"></head><body>'
+                    + (WIDGETS / "memory_zero.html").read_text(encoding="utf-8")
+                    + (WIDGETS / "memory_fsdp.html").read_text(encoding="utf-8")
+                    + f'<script src="{JS.as_uri()}"></script></body></html>', encoding="utf-8")
+    dom, log = dump_dom(page.as_uri())
+    assert "Uncaught" not in log and "mc-error" not in dom, log[-2000:]
+    assert dom.count('data-mounted="1"') == 2
+    values = re.findall(r'class="mc-bar-value">([\d.]+) GB', dom)
+    states = lambda r: r["params"] + r["grads"] + r["optim"]
+    zero = [estimate(psi=7.5e9, world_size=64, strategy=s, precision="bf16") for s in ("ddp", "zero1", "zero2", "fsdp")]
+    fsdp = [estimate(PRESETS["70B"], world_size=n, strategy="fsdp", precision="bf16") for n in (8, 32, 128, 512, 1024)]
+    assert values == [f"{states(r) / GB:.2f}" for r in zero] + [f"{(states(r) + r['units']) / GB:.2f}" for r in fsdp]
+    assert f"{fsdp[-1]['units'] / GB:.2f} GB are the unsharded units" in dom
+    assert f"{zero[-1]['sent'] / GB:.2f} GB sent per rank per step (1.50 × DDP's)" in dom

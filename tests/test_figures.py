@@ -188,3 +188,24 @@ def test_the_rule_on_made_up_files(tmp_path):
     ax.set_title("too small", fontsize=8)
     with pytest.raises(ValueError, match="under 10 pt"):
         style.save(fig, str(tmp_path / "g.svg"))
+
+
+def test_the_tours_figure_fills_a_bar_for_every_category_it_names():
+    """The tour's figure (chapters/figures/tour_memory.svg, `make figures`), the site's first chart, shows the
+    ZeRO stages at N = 4: parameters, gradients and optimizer state each fill some bar (a bar of zero width is
+    still drawn, so its width is what counts), and no legend entry names a category no bar shows."""
+    root = ElementTree.fromstring((CHAPTERS / "figures" / "tour_memory.svg").read_text(encoding="utf-8"))
+    shown = {"".join(t.itertext()).strip() for t in root.iter(f"{SVG_NS}text")}
+    assert any("N = 4" in t for t in shown), "the tour's figure is not measured at N = 4"
+    labels = {"parameters": "params", "gradients": "grads", "optimizer state": "optim",
+              "activations, temporaries, buffers": "other"}  # minifsdp/reports/format.py's CATEGORY_LABELS
+    named = {cat for label, cat in labels.items() if label in shown}
+    assert {"params", "grads", "optim"} <= named, f"the legend names {sorted(named)}"
+    for cat in named:
+        widths = []
+        for path in root.iter(f"{SVG_NS}path"):
+            if f"fill: {style.CATEGORY[cat]}" in path.get("style", ""):
+                xs = [float(x) for x in re.findall(r"([-\d.]+) [-\d.]+", path.get("d", ""))]
+                widths.append(max(xs) - min(xs))
+        drawn = [w for w in widths if w > 0.5]
+        assert len(drawn) >= 2, f"{cat}: named in the legend, but no bar shows it ({len(widths)} paths, widths {widths})"

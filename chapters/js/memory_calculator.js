@@ -8,7 +8,8 @@
  * arguments of analytic.estimate as one object with the same names. tests/test_ch13_calculator.py runs
  * both over a grid of inputs and checks they agree.
  *
- * Below the formulas, the form the page's <div id="memory-calculator"> receives. Plain JavaScript, no
+ * Below the formulas, the form the page's <div id="memory-calculator"> receives, and a compact widget for a
+ * chapter (<div class="mc-compact">: a few inputs and the bars; see mountCompact). Plain JavaScript, no
  * build step: the browser runs this file as a script, and node can require() the formulas.
  */
 (function () {
@@ -152,6 +153,26 @@
     return node;
   }
 
+  // Stacked bars, one per strategy (results: [key, label, estimate()]), the current one in bold; `categories`
+  // are the segments stacked (of CATEGORIES), and a bar's total is their sum; `capacity` > 0 draws the device's
+  // memory as a dashed line, and marks a total over it with ✗.
+  function bars(results, current, capacity, categories = CATEGORIES) {
+    const total = (r) => categories.reduce((sum, [k]) => sum + r[k], 0);
+    const scale = Math.max(capacity, ...results.map(([, , r]) => total(r))) || 1;
+    const pct = (x) => `${(100 * x) / scale}%`;
+    const lines = results.map(([key, label, r]) => el("div", { class: "mc-bar-row" + (key === current ? " mc-current" : "") }, [
+      el("span", { class: "mc-bar-label", text: label }),
+      el("span", { class: "mc-bar" }, categories.map(([k, name]) =>
+        el("span", { class: `mc-seg mc-${k}`, style: `width:${pct(r[k])}`, title: `${name}: ${gb(r[k])} GB` }))
+        .concat(capacity > 0 ? [el("span", { class: "mc-capacity", style: `left:${pct(capacity)}`, title: `${gb(capacity)} GB` })] : [])),
+      el("span", { class: "mc-bar-value", text: `${gb(total(r))} GB` + (capacity > 0 && total(r) > capacity ? " ✗" : "") }),
+    ]));
+    const legend = el("div", { class: "mc-legend" }, categories.map(([k, name]) =>
+      el("span", {}, [el("span", { class: `mc-swatch mc-${k}` }), name])).concat(capacity > 0 ?
+      [el("span", {}, [el("span", { class: "mc-swatch mc-capacity-key" }), `device memory, ${gb(capacity)} GB`])] : []));
+    return el("div", { class: "mc-bars" }, lines.concat([legend]));
+  }
+
   function mount(root) {
     if (root.dataset.mounted) return;
     root.dataset.mounted = "1";
@@ -213,22 +234,6 @@
       return el("table", { class: "mc-table" }, [el("thead", {}, head), el("tbody", {}, rows)]);
     }
 
-    function bars(results, current, capacity) {
-      const scale = Math.max(capacity, ...results.map(([, , r]) => r.total)) || 1;
-      const pct = (x) => `${(100 * x) / scale}%`;
-      const lines = results.map(([key, label, r]) => el("div", { class: "mc-bar-row" + (key === current ? " mc-current" : "") }, [
-        el("span", { class: "mc-bar-label", text: label }),
-        el("span", { class: "mc-bar" }, CATEGORIES.map(([k, name]) =>
-          el("span", { class: `mc-seg mc-${k}`, style: `width:${pct(r[k])}`, title: `${name}: ${gb(r[k])} GB` }))
-          .concat(capacity > 0 ? [el("span", { class: "mc-capacity", style: `left:${pct(capacity)}`, title: `${gb(capacity)} GB` })] : [])),
-        el("span", { class: "mc-bar-value", text: `${gb(r.total)} GB` + (capacity > 0 && r.total > capacity ? " ✗" : "") }),
-      ]));
-      const legend = el("div", { class: "mc-legend" }, CATEGORIES.map(([k, name]) =>
-        el("span", {}, [el("span", { class: `mc-swatch mc-${k}` }), name])).concat(capacity > 0 ?
-        [el("span", {}, [el("span", { class: "mc-swatch mc-capacity-key" }), `device memory, ${gb(capacity)} GB`])] : []));
-      return el("div", { class: "mc-bars" }, lines.concat([legend]));
-    }
-
     function check() {
       const named = SHAPE_FIELDS.concat([["seq", "sequence length"], ["micro_batch", "micro-batch"], ["world_size", "ranks N"]]);
       const given = Object.assign({}, inputs("ddp").shape, inputs("ddp"));
@@ -286,9 +291,88 @@
     render();
   }
 
+  // ---- the compact widget ---------------------------------------------------------------------------
+  // A chapter's few inputs and its bars, for one of two models:
+  //   <div class="mc-compact" data-model="psi">     Ψ typed in billions, N ranks: a bar per ZeRO stage, the
+  //                                                 model states alone (chapter 2)
+  //   <div class="mc-compact" data-model="preset">  a preset's shape and one strategy: a bar per world size
+  //                                                 (data-ns), FSDP's unsharded units as well (chapter 6)
+  // data-psi, data-preset, data-n, data-ns, data-precision, data-strategy and data-device set the first values.
+  // Activations are left out (they need a sequence and a batch): the full calculator adds them.
+  const STAGES = [["ddp", "DDP"], ["zero1", "ZeRO-1"], ["zero2", "ZeRO-2"], ["fsdp", "ZeRO-3 / FSDP"]];
+
+  function mountCompact(root) {
+    if (root.dataset.mounted) return;
+    root.dataset.mounted = "1";
+    root.classList.add("mc");
+    root.textContent = "";
+    const d = root.dataset, byPreset = d.model === "preset";
+    const model = byPreset
+      ? select("preset", Object.keys(PRESETS).map((k) => [k, k === "1B" ? "Llama 3.2 1B" : `Llama 2 ${k}`]), d.preset || "7B")
+      : el("input", { type: "number", name: "psi_billions", value: d.psi || "7.5", min: "0", step: "any" });
+    const n = numberInput("world_size", d.n || 64);
+    const worldSizes = (d.ns || "8 16 32 64 128 256 512 1024").split(/\s+/).map(Number);
+    const precision = select("precision", [["bf16", "bf16 mixed: 2+2+12"], ["fp32", "fp32: 4+4+8"]],
+                             d.precision || "bf16");
+    const strategy = select("strategy", STAGES, d.strategy || "fsdp");
+    const prefetch = el("input", { type: "checkbox", name: "prefetch", checked: "" });
+    const device = numberInput("device_gb", d.device || 80);
+    const fields = [field(byPreset ? "model" : "parameters Ψ, billions", model)]
+      .concat(byPreset ? [] : [field("ranks N", n)])
+      .concat([field("precision, bytes", precision), field("strategy", strategy)])
+      .concat(byPreset ? [field("prefetch (2 units)", prefetch)] : [])
+      .concat([field("device memory, GB", device)]);
+    const form = el("form", { class: "mc-form mc-compact-form" }, fields);
+    const output = el("div", { class: "mc-output", "aria-live": "polite" });
+    root.append(form, output);
+    const categories = CATEGORIES.filter(([k]) => k !== "activations" && (byPreset || k !== "units"));
+    const kept = (r) => categories.reduce((sum, [k]) => sum + r[k], 0);
+
+    function inputs(name, worldSize) {
+      return { shape: byPreset ? PRESETS[model.value] : null, psi: byPreset ? null : Number(model.value) * 1e9,
+               world_size: worldSize, strategy: name, precision: precision.value, prefetch: prefetch.checked };
+    }
+
+    function readout(label, r, tail) {
+      return el("p", { class: "mc-readout" }, [el("strong", { text: `${label}: ${gb(kept(r))} GB per rank` }), tail]);
+    }
+
+    function render() {
+      output.textContent = "";
+      const capacity = 1e9 * Number(device.value || 0);
+      try {
+        if (byPreset) { // one strategy, a bar per world size
+          const label = STAGES.find(([key]) => key === strategy.value)[1];
+          const rows = worldSizes.map((w) => [`N = ${w}`, `N = ${w}`, estimate(inputs(strategy.value, w))]);
+          const [last, , r] = rows[rows.length - 1];
+          const units = r.units > 0 ? `, of which ${gb(r.units)} GB are the unsharded units, which no N shrinks` : "";
+          output.append(bars(rows, last, capacity, categories), readout(`${label} at ${last}`, r, `${units}.`));
+        } else { // one world size, a bar per ZeRO stage
+          const w = parseInt(n.value, 10);
+          if (!(Number.isInteger(w) && w > 0)) throw new Error("ranks N must be a positive whole number");
+          if (!(Number(model.value) > 0)) throw new Error("Ψ must be positive");
+          const rows = STAGES.map(([key, label]) => [key, label, estimate(inputs(key, w))]);
+          const [, label, r] = rows.find(([key]) => key === strategy.value);
+          const ddp = rows[0][2];
+          const ratio = ddp.sent > 0 ? ` (${(r.sent / ddp.sent).toFixed(2)} × DDP's)` : "";
+          output.append(bars(rows, strategy.value, capacity, categories),
+                        readout(label, r, `, ${gb(r.sent)} GB sent per rank per step${ratio}.`));
+        }
+      } catch (err) {
+        output.textContent = "";
+        output.append(el("p", { class: "mc-error", text: err.message }));
+      }
+    }
+
+    form.addEventListener("input", render);
+    form.addEventListener("submit", (event) => event.preventDefault());
+    render();
+  }
+
   function mountAll() {
     const root = document.querySelector("div#memory-calculator"); // the div: a heading's anchor may share the id
     if (root) mount(root);
+    for (const compact of document.querySelectorAll("div.mc-compact")) mountCompact(compact);
   }
 
   // mkdocs-material's instant navigation, when enabled, announces each new page on document$

@@ -113,6 +113,7 @@ class MemoryMeter:
         self._set_category(storage, category)
         self._update_peak()
 
+    # --8<-- [start:count]
     def _set_category(self, storage, category: str) -> None:
         """Count the storage under `category` (a new one, or one that just
         changed roles); no peak update."""
@@ -129,6 +130,7 @@ class MemoryMeter:
             self._by_cat[entry[1]] -= entry[0]
             self._by_cat[category] += entry[0]
             entry[1] = category
+    # --8<-- [end:count]
 
     def _resize(self, storage) -> None:
         entry = self._live.get(id(storage))
@@ -140,11 +142,13 @@ class MemoryMeter:
         entry[0] = new
         self._update_peak()
 
+    # --8<-- [start:free]
     def _free(self, key: int) -> None:
         self._pinned.discard(key)
         entry = self._live.pop(key, None)
         if entry is not None:
             self._by_cat[entry[1]] -= entry[0]
+    # --8<-- [end:free]
 
     def _refresh(self) -> None:
         """Re-read every live storage's size: code we do not control (torch's

@@ -110,12 +110,13 @@ TERMINAL = Renderer(text_table, text_section)
 @style.charts
 def plot_memory(named_breakdowns: list[tuple[str, dict, float | None]], path: str, title: str,
                 peaks: list[float] | None = None, xlabel: str = "MB per rank (rank 0, at peak)",
-                panels: list[str] | None = None) -> None:
+                panels: list[str] | None = None, categories: tuple[str, ...] = tuple(style.CATEGORY)) -> None:
     """Stacked horizontal bars of memory by category, one per label (first at the top), each with the analytic
     model states marked by a dashed line (none where they are None) and, if given, its peak as a dot.
 
     panels: a panel title per bar; consecutive bars with the same title share a panel, and the panels are
-    stacked one above the other on one scale (small multiples, e.g. one per world size)."""
+    stacked one above the other on one scale (small multiples, e.g. one per world size).
+    categories: the categories stacked (and named in the legend), of style.CATEGORY; by default all four."""
     groups: list[tuple[str | None, list[int]]] = []
     for i, name in enumerate(panels or [None] * len(named_breakdowns)):
         if groups and groups[-1][0] == name:
@@ -130,7 +131,7 @@ def plot_memory(named_breakdowns: list[tuple[str, dict, float | None]], path: st
         for y, i in enumerate(idx):
             label, cats, model_states = named_breakdowns[i]
             left = 0.0
-            for cat, colour in style.CATEGORY.items():
+            for cat, colour in ((c, style.CATEGORY[c]) for c in categories):
                 ax.barh(y, cats[cat] / 1e6, left=left, height=0.7, color=colour,
                         label=CATEGORY_LABELS[cat] if i == 0 else None)
                 left += cats[cat] / 1e6

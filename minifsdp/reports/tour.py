@@ -6,8 +6,11 @@
 
 For each strategy it prints one table: how far its parameters are from torch DDP's after the same steps
 (0 means bit-identical), per-rank peak memory measured next to the analytic model, bytes communicated per
-step next to the theory, and the step time. It writes a plot of memory by category per strategy. A terminal
-gets plain tables; `--markdown PATH` writes the same data as the site shows it, the per-rank tables folded.
+step next to the theory, and the step time. It writes a plot of each strategy's model states per rank
+(parameters, gradients, optimizer state, as measured after the optimizer step), the analytic model states
+and the step's peak beside them; `--plot-world-size 4` measures the plot at 4 ranks, whatever the tour's
+own world size. A terminal gets plain tables; `--markdown PATH` writes the same data as the site shows it,
+the per-rank tables folded.
 
 `python -m minifsdp memory` is chapter 2's report: plain DDP at world sizes 1..4, measured vs analytic.
 """
@@ -116,7 +119,12 @@ def format_tour(tables: dict[str, list[dict]], render: Renderer = MARKDOWN) -> s
 
 def run_tour(world_size: int = 2, steps: int = 5, device: str = "cpu", plot: str | None = "tour_memory.svg",
              markdown: str | None = None, optimizer: str = "adamw", global_batch: int = 8,
-             strategies=None) -> dict:
+             strategies=None, plot_world_size: int | None = None) -> dict:
+    """plot_world_size: the world size the plot shows (default: the tour's own). Another one trains every
+    strategy again at that size, for the plot only: two steps, the second measured."""
+    if plot_world_size not in (None, world_size) and under_torchrun():
+        raise ValueError("under torchrun the plot is measured at the tour's own world size: "
+                         "leave out --plot-world-size")
     if steps < 2:
         raise ValueError("the tour needs --steps >= 2: the last step is measured, the others are timed")
     if optimizer not in OPTIMIZERS:
@@ -139,11 +147,32 @@ def run_tour(world_size: int = 2, steps: int = 5, device: str = "cpu", plot: str
     write_report(f"{header}\n\n{format_tour(tables)}", markdown,
                  printed=f"{header}\n\n{format_tour(tables, TERMINAL)}")
     if plot:
-        bars = [(name, results[0][name]["peak_by_category"], tables[name][0]["states_analytic"])
-                for name in strategies]
-        plot_memory(bars, plot, f"Peak memory per rank by category, N = {world_size}")
+        at, measured = world_size, results
+        if plot_world_size not in (None, world_size):
+            at, measured = plot_world_size, launch(
+                _train_all, plot_world_size, device=device,
+                kwargs=dict(strategies=strategies, steps=2, optimizer=optimizer, global_batch=global_batch,
+                            config=TOUR_MODEL))
+        plot_tour({name: ([r[name] for r in measured], [r[ORACLE] for r in measured]) for name in strategies},
+                  optimizer, plot, at)
         print(f"\nwrote {plot}")
     return tables
+
+
+def plot_tour(per_strategy: dict[str, tuple[list[dict], list[dict]]], optimizer: str, path: str,
+              world_size: int) -> None:
+    """The tour's figure: each strategy's model states on rank 0 after the optimizer step (parameters,
+    gradients, optimizer state: what the ZeRO stages shard), the analytic model states dashed, and the
+    step's peak (activations and temporaries included) as a dot. per_strategy: name -> (each rank's result
+    of train(), the oracle's)."""
+    bars, peaks = [], []
+    for name, (per_rank, oracle) in per_strategy.items():
+        row = strategy_rows(name, per_rank, oracle, optimizer)[0]
+        stage = STRATEGIES[name].stage
+        bars.append((f"{name} (ZeRO-{stage})" if stage else name, per_rank[0]["after_step"], row["states_analytic"]))
+        peaks.append(row["peak"])
+    plot_memory(bars, path, f"Model states per rank after the optimizer step, N = {world_size}", peaks=peaks,
+                xlabel="MB per rank (rank 0)", categories=("params", "grads", "optim"))
 
 
 def comm_rank_or_zero() -> int:
@@ -151,6 +180,13 @@ def comm_rank_or_zero() -> int:
     import torch.distributed as dist
 
     return dist.get_rank() if dist.is_initialized() else 0
+
+
+def under_torchrun() -> bool:
+    """Whether this process is one of torchrun's ranks (its environment names the rank and the world)."""
+    import os
+
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"))
 
 
 def run_memory_report(strategies=("ddp",), world_sizes=(1, 2, 3, 4), steps: int = 6, optimizer: str = "adamw",
