@@ -15,7 +15,7 @@ ROAD = [("DDP", "ch 1–2", GRAY, 0), ("ZeRO-1", "ch 3", GREEN, 1), ("ZeRO-2", "
         ("FSDP", "ch 5–10", BLUE, 3), ("FSDP2", "ch 11", BLUE, 3),
         ("TP / PP", "ch 12", GRAY, ("layers split", "over ranks")), ("scaling", "ch 13", GRAY, ("1,024 ranks", "on paper"))]
 # Bytes per parameter of each model state on one rank of N = 4, fp32 AdamW, at ZeRO stages 0 to 3:
-# (parameters, gradients, optimizer state). tests/test_ch00_landing.py checks them against
+# (parameters, gradients, optimizer state). tests/test_diagrams_ch00.py checks them against
 # minifsdp.measure.analytic.model_state_bytes.
 ROAD_N = 4
 ROAD_STATES = {0: (4, 4, 8), 1: (4, 4, 2), 2: (4, 1, 2), 3: (1, 1, 2)}

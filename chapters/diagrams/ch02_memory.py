@@ -9,7 +9,7 @@ from __future__ import annotations
 from canvas import *  # noqa: F403  Canvas, the colours, bracket, MIN_FONT, text_width, num
 
 # Bytes per parameter of each model state, with AdamW: (label, bytes, the state it belongs to). The states
-# sum to minifsdp.measure.analytic's FP32_ADAM and mixed_precision_adam(12), which tests/test_ch02_diagrams.py
+# sum to minifsdp.measure.analytic's FP32_ADAM and mixed_precision_adam(12), which tests/test_diagrams_ch02.py
 # checks.
 MODEL_STATES = {
     "fp32": [("parameters 4", 4, "params"), ("gradients 4", 4, "grads"), ("exp_avg 4", 4, "optim"),
