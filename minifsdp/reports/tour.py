@@ -253,7 +253,8 @@ def format_memory_report(rows: list[dict], strategies: list[str]) -> str:
         return "\n\n".join([md_table(["N"] + state_head, [[r["world_size"]] + states(r) for r in rows], captions[0]),
                             md_table(["N"] + peak_head, [[r["world_size"]] + peak(r) for r in rows], captions[1])])
     panels = []
-    for n in dict.fromkeys(r["world_size"] for r in rows):
+    # the tabs open on the first N > 1: at N = 1 nothing is sharded and every strategy holds the same (last)
+    for n in sorted(dict.fromkeys(r["world_size"] for r in rows), key=lambda n: (n == 1, n)):
         at_n = [r for r in rows if r["world_size"] == n]
         panels.append((f"N = {n}", "\n\n".join([
             md_table(["strategy"] + state_head, [[r["strategy"]] + states(r) for r in at_n], captions[0]),
