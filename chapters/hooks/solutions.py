@@ -211,7 +211,7 @@ def _label(mark: Mark, indent: str, link: str | None, listing_title: str | None)
         of = "" if listing_title == sol.path else f" of `{sol.path}`"
         where = f" (lines {sol.first_line}–{last}{of})"
     else:
-        where = ": yours to write, in place of the placeholder"
+        where = ": yours to write"
     return ["", f'{indent}<span class="exercise-mark">Highlighted: {name} — {title}{where}</span>', ""]
 
 
