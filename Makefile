@@ -18,7 +18,18 @@ diagrams:         ## draw the chapters' SVG diagrams (plain Python: chapters/dia
 	    chapters/figures/diagrams/oss_partition.svg chapters/figures/diagrams/flat_parameter.svg chapters/figures/diagrams/fsdp_unit_lifecycle.svg \
 	    chapters/figures/diagrams/backward_prefetch.svg chapters/figures/diagrams/mixed_precision.svg chapters/figures/diagrams/activation_checkpointing.svg \
 	    chapters/figures/diagrams/checkpoint_reshard.svg chapters/figures/diagrams/hsdp_mesh.svg chapters/figures/diagrams/tp_f_g.svg \
-	    chapters/figures/diagrams/pipeline_1f1b.svg
+	    chapters/figures/diagrams/pipeline_1f1b.svg \
+	    chapters/figures/diagrams/overlap_step.svg chapters/figures/diagrams/two_all_gather_buffers.svg chapters/figures/diagrams/allocator_retry.svg \
+	    chapters/figures/diagrams/float_formats.svg chapters/figures/diagrams/main_grad.svg chapters/figures/diagrams/loss_scale_agreement.svg chapters/figures/diagrams/cpu_offload.svg \
+	    chapters/figures/diagrams/flat_param_states.svg chapters/figures/diagrams/flat_param_storage.svg \
+	    chapters/figures/diagrams/flat_param_grad.svg chapters/figures/diagrams/flat_param_tied.svg \
+	    chapters/figures/diagrams/flat_param_why.svg chapters/figures/diagrams/flat_param_views.svg \
+	    chapters/figures/diagrams/checkpoint_layouts.svg chapters/figures/diagrams/checkpoint_boxes.svg \
+	    chapters/figures/diagrams/checkpoint_state_dicts.svg chapters/figures/diagrams/checkpoint_atomic.svg \
+	    chapters/figures/diagrams/fsdp_wrap_units.svg chapters/figures/diagrams/fsdp_step.svg chapters/figures/diagrams/fsdp_hooks.svg chapters/figures/diagrams/fsdp_raf_nraf.svg \
+	    chapters/figures/diagrams/fsdp1_strategies.svg \
+	    chapters/figures/diagrams/tp_block.svg chapters/figures/diagrams/tp_vocab_loss.svg chapters/figures/diagrams/tp_sequence_parallel.svg chapters/figures/diagrams/tp_init.svg chapters/figures/diagrams/pp_stages.svg chapters/figures/diagrams/pipeline_p2p.svg chapters/figures/diagrams/parallel_mesh.svg \
+	    chapters/figures/diagrams/alpha_beta.svg chapters/figures/diagrams/two_level_network.svg chapters/figures/diagrams/nraf_step.svg chapters/figures/diagrams/published_errors.svg
 
 figures: diagrams ## regenerate every figure and table the chapters include
 	$(PY) -m minifsdp tour --world-size 2 --steps 5 --plot chapters/figures/tour_memory.svg --markdown chapters/generated/tour_ws2.md

@@ -39,6 +39,7 @@ LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
 # --8<-- [start:policies]
+# --8<-- [start:policy]
 @dataclass(frozen=True)
 class MixedPrecision:
     """PyTorch FSDP's policy. None means "leave it in the parameters' own
@@ -59,6 +60,7 @@ class MixedPrecision:
     reduce_dtype: torch.dtype | None = None
     buffer_dtype: torch.dtype | None = None
     _module_classes_to_ignore: tuple = (_BatchNorm,)
+    # --8<-- [end:policy]
 
     def __post_init__(self):
         for field in ("param_dtype", "reduce_dtype", "buffer_dtype"):
@@ -203,6 +205,7 @@ class ShardedGradScaler:
         # in fp32: an fp16 loss times 2**16 would itself overflow
         return loss.float() * self.scale_value if self.enabled else loss
 
+    # --8<-- [start:unscale]
     def unscale_(self, optimizer) -> None:
         """Divide this rank's gradients by the scale (in their fp32 dtype) and
         agree on overflow."""
@@ -228,6 +231,7 @@ class ShardedGradScaler:
         self.unscale_(optimizer)
         return (None if self._found_inf[id(optimizer)]
                 else optimizer.step(*args, **kwargs))
+    # --8<-- [end:unscale]
 
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         """After the step: back off after an overflow, grow after

@@ -125,7 +125,11 @@ def test_a_rank_keeps_only_its_shard(ranks, n):
     # measured by the meter over the construction: the padded flat copy is gone, the originals hold
     # nothing, and the shard has a storage of its own, the shard's size (not a view into a full-size copy)
     for res in ranks[n]:
-        assert res["built_live"] == res["shard_numel"] * 4
+        kept, shard = res["built_live"], res["shard_numel"] * 4
+        assert kept == shard, (
+            f"after building the FlatParameter a rank kept {kept:,} B, expected its {shard:,} B shard "
+            f"(exercise 5.1): is `shard` a view into the full padded tensor (clone it, so the full one is "
+            f"freed), or do the original parameters still hold their data?")
 
 
 @pytest.mark.exercise("5.3")
@@ -146,13 +150,22 @@ def test_unshard_is_one_async_all_gather_into_the_buffer(ranks, n):
     for res in ranks[n]:
         padded_bytes = res["shard_numel"] * n * 4
         # one all-gather of the padded buffer, counted by comm: (N-1)/N of it sent, nothing else
-        assert res["unshard_calls"] == {"all_gather": 1}
-        assert res["unshard_sent"] == {"all_gather": padded_bytes * (n - 1) / n}
+        assert res["unshard_calls"] == {"all_gather": 1}, (
+            f"unshard issued {res['unshard_calls']}, expected one all_gather (exercise 5.3): gather the whole "
+            f"padded buffer in one collective, through minifsdp's comm, not one per parameter")
+        assert res["unshard_sent"] == {"all_gather": padded_bytes * (n - 1) / n}, (
+            f"unshard sent {res['unshard_sent']} B, expected (N-1)/N of the {padded_bytes:,} B padded buffer "
+            f"(exercise 5.3): is the input this rank's shard, and the output the full buffer?")
         # started, not waited for: the prefetch returns with the all-gather in flight
         state, waited = res["prefetch"]
-        assert state is ShardState.UNSHARDING and waited == []
+        assert state is ShardState.UNSHARDING and waited == [], (
+            f"unshard returned in state {state.name}, having waited for {waited} (exercise 5.3): start the "
+            f"all-gather with async_op=True and keep its handle; wait_for_unshard is where it is waited for")
         # and the all-gather writes into the full buffer itself: the peak grows by that buffer only
-        assert res["prefetch_peak"] == padded_bytes
+        assert res["prefetch_peak"] == padded_bytes, (
+            f"the unshard grew memory by {res['prefetch_peak']:,} B, expected the one {padded_bytes:,} B full "
+            f"buffer (exercise 5.3): all-gather into that buffer itself, not into a list of tensors or a "
+            f"second buffer copied after")
 
 
 @pytest.mark.exercise("5.2")
@@ -175,8 +188,12 @@ def test_the_average_is_one_reduce_scatter(ranks, n):
     # with this rank's slice kept, nor a collective called on torch.distributed directly
     for res in ranks[n]:
         padded_bytes = res["shard_numel"] * n * 4
-        assert res["reduce_calls"] == {"reduce_scatter": 1}
-        assert res["reduce_sent"] == {"reduce_scatter": padded_bytes * (n - 1) / n}
+        assert res["reduce_calls"] == {"reduce_scatter": 1}, (
+            f"the gradient's average issued {res['reduce_calls']}, expected one reduce_scatter (exercise "
+            f"5.2): an all_reduce with this rank's slice kept gives the same numbers and moves twice the bytes")
+        assert res["reduce_sent"] == {"reduce_scatter": padded_bytes * (n - 1) / n}, (
+            f"the reduce-scatter sent {res['reduce_sent']} B, expected (N-1)/N of the {padded_bytes:,} B flat "
+            f"gradient (exercise 5.2): is its input the whole padded flat gradient?")
 
 
 @pytest.mark.exercise("5.3")

@@ -29,7 +29,10 @@ def test_the_split_backward_holds_two_flat_gradients(res):
     assert (ours["numel"], ours["padded"]) == (4580, 4608)
     model = analytic.fsdp_gradient_bytes(ours["padded"], world_size=2)
     assert model["concat"] == 2 * 4 * 4608
-    assert ours["concat"] == model["concat"] + SCALARS
+    assert ours["concat"] == model["concat"] + SCALARS, (
+        f"backward held {ours['concat']:,} B at the concatenation, expected two flat gradients, "
+        f"{model['concat'] + SCALARS:,} B (exercise 5.3): are the views cut by one split of the flat buffer? "
+        f"A view per slice makes a zero-filled flat gradient for each slice")
 
 
 @pytest.mark.mechanism  # measured memory
@@ -37,8 +40,12 @@ def test_the_split_backward_holds_two_flat_gradients(res):
 def test_gloo_allocates_an_input_sized_buffer_and_the_shard_is_what_stays(res):
     ours = res["ours"]
     model = analytic.fsdp_gradient_bytes(ours["padded"], world_size=2)
-    assert ours["reduce_scatter"] == model["reduce_scatter"] + SCALARS  # in place, plus gloo's own buffer
-    assert ours["kept"] == model["kept"] == 4 * 4608 / 2
+    assert ours["reduce_scatter"] == model["reduce_scatter"] + SCALARS, (  # in place, plus gloo's own buffer
+        f"the reduce-scatter's peak was {ours['reduce_scatter']:,} B, expected {model['reduce_scatter'] + SCALARS:,} B"
+        f" (exercise 5.2): does it reduce the flat gradient in one reduce_scatter, without a copy of its own?")
+    assert ours["kept"] == model["kept"] == 4 * 4608 / 2, (
+        f"a rank kept {ours['kept']:,} B of gradient after the reduce-scatter, expected its shard, "
+        f"{model['kept']:,} B (exercise 5.2): is the flat gradient freed, and the shard a tensor of its own?")
     assert analytic.fsdp_gradient_bytes(4608, 2, backend_buffer=False)["reduce_scatter"] == 4 * 4608
 
 

@@ -210,9 +210,17 @@ def test_bytes_per_step(ranks, n):
     if n == 1:
         assert sum(raf.values()) == sum(nraf.values()) == 0
         return
-    assert raf["reduce_scatter"] / STEPS >= psi * 4 * ring
-    assert raf["all_gather"] / STEPS > nraf["all_gather"] / STEPS >= psi * 4 * ring
-    assert raf["all_gather"] / STEPS < 2 * psi * 4 * ring * 1.01  # < 2 passes: the root gathers once
+    assert raf["reduce_scatter"] / STEPS >= psi * 4 * ring, (
+        f"{raf['reduce_scatter'] / STEPS:,.0f} B reduce-scattered a step, less than (N-1)/N of the 4Ψ = "
+        f"{psi * 4:,} B of gradient (exercise 6.1): does every unit's post-backward hook reduce-scatter its "
+        f"flat gradient?")
+    assert raf["all_gather"] / STEPS > nraf["all_gather"] / STEPS >= psi * 4 * ring, (
+        f"all-gathered {raf['all_gather'] / STEPS:,.0f} B a step resharding after forward, {nraf['all_gather'] / STEPS:,.0f}"
+        f" B not: expected more with, and at least (N-1)/N of 4Ψ = {psi * 4:,} B either way (exercise 6.2): "
+        f"does the pre-backward hook unshard a unit that forward resharded?")
+    assert raf["all_gather"] / STEPS < 2 * psi * 4 * ring * 1.01, (  # < 2 passes: the root gathers once
+        f"all-gathered {raf['all_gather'] / STEPS:,.0f} B a step, two full passes or more (exercise 6.2): is a "
+        f"unit already unsharded gathered again in backward?")
     total = sum(raf.values()) / STEPS
     assert 2.5 * psi * 4 * ring < total < 3 * psi * 4 * ring * 1.01  # close to the 1.5x of ZeRO-3
 
@@ -350,9 +358,12 @@ def test_backward_unshards_each_unit_just_before_its_own_compute(ranks):
     # reduce-scatter of the block before it; the root's was never freed, and goes out last
     started = rec["begins"][0][1]
     order = [(kind, tag) for kind, tag, t in rec["issued"] if t > started]
-    assert order == [("all_gather", "unshard blocks.1"), ("reduce_scatter", "reduce_scatter blocks.1"),
-                     ("all_gather", "unshard blocks.0"), ("reduce_scatter", "reduce_scatter blocks.0"),
-                     ("reduce_scatter", "reduce_scatter (root)")]
+    expected = [("all_gather", "unshard blocks.1"), ("reduce_scatter", "reduce_scatter blocks.1"),
+                ("all_gather", "unshard blocks.0"), ("reduce_scatter", "reduce_scatter blocks.0"),
+                ("reduce_scatter", "reduce_scatter (root)")]
+    assert order == expected, (
+        f"backward issued {order}, expected {expected} (exercise 6.2): the pre-backward hook unshards its own "
+        f"unit, when its backward begins, not an earlier or later one")
 
 
 @pytest.mark.mechanism
@@ -363,7 +374,12 @@ def test_each_reduce_scatter_travels_while_the_next_unit_computes(ranks):
     # blocks.1's reduce-scatter is issued asynchronously and waited for (comm records each wait, by tag)
     # only once blocks.0's backward is under way -- not by the hook that issued it
     waits = [t for tag, t in rec["waits"] if tag == "reduce_scatter blocks.1"]
-    assert all(t > begun["blocks.0"] for t in waits), "blocks.1's reduce-scatter was waited for at once"
+    assert all(t > begun["blocks.0"] for t in waits), (
+        "blocks.1's reduce-scatter was waited for before blocks.0's backward began (exercise 6.1): issue it with "
+        "async_op=True and queue the handle in the root's pending list; the next unit's hook or the end of "
+        "backward waits for it")
     # and every unit's flat gradient goes out exactly once, in one reduce-scatter
     sent = [tag for kind, tag, _ in rec["issued"] if kind == "reduce_scatter"]
-    assert sorted(sent) == sorted(f"reduce_scatter {u}" for u in rec["units"])
+    assert sorted(sent) == sorted(f"reduce_scatter {u}" for u in rec["units"]), (
+        f"reduce-scatters issued: {sorted(sent)}, expected one per unit (exercise 6.1): does each unit's "
+        f"post-backward hook issue exactly one, tagged by comm, for its flat gradient?")

@@ -583,12 +583,32 @@ def test_a_solved_copy_scores_full_marks_and_a_student_copy_what_it_has(graded):
     assert solved["total"] == {"score": 6, "max": 6} and solved["edits_outside_exercises"] == []
     assert [(e["id"], e["score"], e["max"], e["mechanism"]) for e in solved["exercises"]] == [
         ("1.1", 2, 2, {"score": 1, "max": 1}), ("2.1", 1, 1, {"score": 0, "max": 0})]
-    assert [(c["chapter"], c["score"], c["max"]) for c in student["chapters"]] == [(1, 2, 4), (2, 0, 2)]
+    # Chapter 2's test of no exercise calls 1.1's double(): it runs with the reference's 1.1, so the missing
+    # 1.1 costs points in chapter 1 only.
+    assert [(c["chapter"], c["score"], c["max"]) for c in student["chapters"]] == [(1, 2, 4), (2, 1, 2)]
     assert [(e["id"], e["score"], e["max"], e["mechanism"], e["from_submission"]) for e in student["exercises"]] == [
         ("1.1", 0, 2, {"score": 0, "max": 1}, True), ("2.1", 0, 1, {"score": 0, "max": 0}, True)]
     failed = {t["id"]: t["cause"] for t in student["chapters"][0]["failed"]}
     assert failed["tests/test_ch01_arith.py::test_double"] == "NotImplementedError: Exercise 1.1: twice x"
     assert student["edits_outside_exercises"] == [] and student["warnings"] == []
+
+
+def test_a_wrong_solution_costs_points_in_its_own_exercise_only(fake, plugins, tmp_path, bare):
+    """A wrong 1.1 (three times x) breaks 2.1's quadruple() too, in a copy holding both: 2.1's test and
+    chapter 2's test of no exercise still run with the reference's 1.1, so they keep their points."""
+    reference, _, collected = fake
+    wrong = shutil.copytree(reference, tmp_path / "wrong")
+    _solve(wrong, "1.1", "return 3 * x")
+    result = grade_submission(wrong, collected, plugins)
+    assert [(e["id"], e["score"], e["max"]) for e in result["exercises"]] == [("1.1", 0, 2), ("2.1", 1, 1)]
+    assert [(c["chapter"], c["score"], c["max"]) for c in result["chapters"]] == [(1, 2, 4), (2, 2, 2)]
+    # and 2.1 wrong as well: each loses its own, chapter 2's test of no exercise still passes
+    _solve(wrong, "2.1", "return double(x)")
+    result = grade_submission(wrong, collected, plugins)
+    assert [(e["id"], e["score"], e["max"]) for e in result["exercises"]] == [("1.1", 0, 2), ("2.1", 0, 1)]
+    assert [(c["chapter"], c["score"], c["max"]) for c in result["chapters"]] == [(1, 2, 4), (2, 1, 2)]
+    # 2.1's own mistake, with the reference's 1.1 (with the submission's, 9 == 12)
+    assert result["chapters"][1]["failed"][0]["cause"] == "assert 6 == 12"
 
 
 @pytest.mark.parametrize("name", list(TAMPERING))
@@ -754,10 +774,10 @@ def test_the_json_and_gradescope_results_validate(graded):
         check_result_json(graded[name])
         check_gradescope(gradescope_results(graded[name]))
     results = gradescope_results(graded["student"])
-    assert results["score"] == 2
+    assert results["score"] == 3
     assert [(t["name"], t["score"], t["max_score"], t["status"]) for t in results["tests"]] == [
         ("Exercise 1.1: twice x", 0, 2, "failed"), ("Chapter 1: tests of no single exercise", 2, 2, "passed"),
-        ("Exercise 2.1: twice twice x", 0, 1, "failed"), ("Chapter 2: tests of no single exercise", 0, 1, "failed")]
+        ("Exercise 2.1: twice twice x", 0, 1, "failed"), ("Chapter 2: tests of no single exercise", 1, 1, "passed")]
     assert "NotImplementedError: Exercise 1.1: twice x" in results["tests"][0]["output"]
     tampered = gradescope_results(graded["conftest hook"])
     assert "added conftest.py" in tampered["output"]
@@ -807,14 +827,14 @@ def test_grade_all_grades_a_class_and_survives_a_submission_that_breaks_the_grad
     shutil.copytree(student, class_dir / "eve")
     TAMPERING["conftest hook"][0](class_dir / "eve")
     (class_dir / "zed").mkdir()
-    real_assemble = grading.assemble
+    real_assembler = grading.Assembler
 
-    def assemble(reference, submission, *args, **kwargs):
+    def assembler(reference, submission, *args, **kwargs):
         if Path(submission).name == "zed":
             raise OSError("unreadable submission")
-        return real_assemble(reference, submission, *args, **kwargs)
+        return real_assembler(reference, submission, *args, **kwargs)
 
-    monkeypatch.setattr(grading, "assemble", assemble)
+    monkeypatch.setattr(grading, "Assembler", assembler)
     assert grade_all(class_dir, reference=reference, chapters="1,2", out=tmp_path / "grades") == 0
     assert "zed" in capsys.readouterr().out
     with open(tmp_path / "grades/summary.csv", newline="") as f:
@@ -824,8 +844,8 @@ def test_grade_all_grades_a_class_and_survives_a_submission_that_breaks_the_grad
                              "total", "total_max", "edits_outside_exercises", "error"]
     assert [list(row.values()) for row in rows] == [
         ["ada", "4", "4", "2", "2", "2", "2", "1", "1", "6", "6", "0", ""],
-        ["bob", "2", "4", "0", "2", "0", "2", "0", "1", "2", "6", "0", ""],
-        ["eve", "2", "4", "0", "2", "0", "2", "0", "1", "2", "6", "2", ""],
+        ["bob", "2", "4", "1", "2", "0", "2", "0", "1", "3", "6", "0", ""],
+        ["eve", "2", "4", "1", "2", "0", "2", "0", "1", "3", "6", "2", ""],
         ["zed", "0", "4", "0", "2", "0", "2", "0", "1", "0", "6", "0", "OSError: unreadable submission"]]
     for name in ("ada", "bob", "eve"):
         check_result_json(json.loads((tmp_path / f"grades/{name}.json").read_text()))

@@ -231,3 +231,67 @@ def test_the_names_the_diagrams_use_are_the_code_s(path):
     for name in NAMES_USED[path]:
         assert re.search(rf"\b{re.escape(name)}\b", source), f"{path} has no {name}"
         assert name in drawn, f"no diagram uses {name} any more: drop it from this list"
+
+
+# -- chapter 5's newer pictures (chapters/diagrams/ch05_states.py) ------------------------------------------------
+def _module_of(diagram: str):
+    return sys.modules[md.DIAGRAMS[diagram].__module__]
+
+
+def test_chapter_5_unit_states_and_block_are_the_package_s():
+    pytest.importorskip("torch")
+    from minifsdp.fsdp.flat_param import ALIGN_BYTES, ShardState
+    from minifsdp.models import TinyGPT
+    from minifsdp.zero.flat import flat_layout
+
+    ch05 = _module_of("flat_param_states")
+    numels = [math.prod(shape) for _, shape in ch05.UNIT_PARAMS]
+    assert flat_layout(numels, ch05.UNIT_N, ALIGN_BYTES // ch05.UNIT_BYTES) == (ch05.UNIT_OFFSETS, ch05.UNIT_PADDED)
+    assert ch05.UNIT_PARAMS == md.FLAT_PARAMS and ch05.UNIT_N == md.FLAT_N, "the unit of flat_parameter.svg"
+    assert ch05.STATES == [(s.name, s.value) for s in ShardState]
+    block = TinyGPT().blocks[0]
+    assert ch05.BLOCK == [(name, p.numel()) for name, p in block.named_parameters()]
+
+
+@pytest.mark.parametrize("path,names", [
+    ("minifsdp/fsdp/flat_param.py", ["unshard", "wait_for_unshard", "reshard", "reduce_scatter_grad",
+                                     "grad_for_optimizer", "_alloc_storage", "_full", "all_gather"]),
+])
+def test_the_names_the_chapter_5_diagrams_use_are_the_code_s(path, names):
+    source = (REPO / path).read_text(encoding="utf-8")
+    drawn = "".join((COMMITTED / f"{name}.svg").read_text(encoding="utf-8")
+                    for name in NAMES if md.DIAGRAMS[name].__module__ == "ch05_states")
+    for name in names:
+        assert re.search(rf"\b{re.escape(name)}\b", source), f"{path} has no {name}"
+        assert name in drawn, f"no chapter 5 diagram uses {name} any more: drop it from this list"
+
+
+# -- chapter 10's newer pictures (chapters/diagrams/ch10_checkpoints.py) ------------------------------------------
+def test_chapter_10_layouts_and_boxes_are_the_package_s():
+    pytest.importorskip("torch")
+    import torch
+
+    from minifsdp.checkpoint.flat_chunks import boxes
+    from minifsdp.fsdp.flat_param import ALIGN_BYTES
+    from minifsdp.zero.flat import flat_layout
+    from minifsdp.zero.oss import partition_parameters
+
+    ch10 = _module_of("checkpoint_layouts")
+    names = list(ch10.SHAPES)
+    numels = [math.prod(ch10.SHAPES[name]) for name in names]
+    offsets, padded = flat_layout(numels, ch10.N, ALIGN_BYTES // 4)
+    assert (dict(zip(names, offsets)), padded) == (ch10.OFFSETS, ch10.PADDED)
+    # who holds which element of w: FSDP's (and a flat bucket's) chunk r is [r * shard, (r + 1) * shard)
+    shard = padded // ch10.N
+    w = names.index("w")
+    for q in range(ch10.N):
+        lo, hi = max(offsets[w], q * shard), min(offsets[w] + numels[w], (q + 1) * shard)
+        drawn = [k for k in range(numels[w]) if ch10._flat_owner("w", k) == q]
+        assert drawn == list(range(lo - offsets[w], hi - offsets[w])), q
+    params = [torch.nn.Parameter(torch.zeros(ch10.SHAPES[name])) for name in names]
+    parts = _exercise(lambda: partition_parameters([{"params": params}], ch10.N), "3.1")
+    owner = {id(p): r for r, groups in enumerate(parts) for group in groups for p in group["params"]}
+    assert {name: owner[id(p)] for name, p in zip(names, params)} == ch10.OSS_OWNER
+    start, end = ch10.RANGE
+    got = _exercise(lambda: boxes(ch10.RANGE_SHAPE, start, end), "10.1")
+    assert [(tuple(o), tuple(s)) for o, s in got] == ch10.RANGE_BOXES

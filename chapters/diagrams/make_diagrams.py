@@ -790,7 +790,7 @@ def pipeline_spans(orders: list[str], t_forward=1, t_backward=2) -> list[list[tu
 
 def pipeline_1f1b() -> Canvas:
     p, m = PIPELINE_P, PIPELINE_M
-    c = Canvas("pipeline_1f1b", 272, "The 1F1B pipeline schedule at p = 4 stages and m = 8 micro-batches",
+    c = Canvas("pipeline_1f1b", 300, "The 1F1B pipeline schedule at p = 4 stages and m = 8 micro-batches",
                "A chart with a row per rank, rank r running stage r, and time across, a forward taking one unit and "
                "a backward two. Rank 0 runs three forwards (the warm-up, p - r - 1), then alternates one forward and "
                "one backward, then drains three backwards (the cool-down); rank 3 alternates from the start. The "
@@ -798,15 +798,15 @@ def pipeline_1f1b() -> Canvas:
                "in flight on rank r: 4, 3, 2, 1.")
     spans = pipeline_spans(PIPELINE_1F1B)
     end = max(b for row in spans for _, _, b in row)
-    x0, unit, top, pitch = 110, 15, 58, 34
-    c.text(10, 18, "1F1B, p = 4, m = 8: a forward takes 1, a backward 2", bold=True)
-    c.text(WIDTH - 10, top - 8, "in flight", anchor="end", size=MIN_FONT)
+    x0, unit, top, pitch = 74, 18, 64, 42
+    c.text(10, 20, "1F1B, p = 4, m = 8: a forward takes 1, a backward 2", bold=True)
     for r, row in enumerate(spans):
         y = top + r * pitch
-        c.text(x0 - 8, y + 18, f"rank {r}", anchor="end", size=MIN_FONT)
+        c.text(x0 - 8, y + 14, f"rank {r}", anchor="end", size=14, bold=True)
+        c.text(x0 - 8, y + 31, f"holds ≤ {min(p - r, m)}", anchor="end", size=MIN_FONT)
         for a, s, e in row:
-            c.box(x0 + s * unit + 0.5, y, (e - s) * unit - 1, 26, a[1:], BLUE if a[0] == "F" else ORANGE, size=MIN_FONT)
-        c.text(WIDTH - 30, y + 18, str(min(p - r, m)), anchor="middle", size=MIN_FONT)
+            c.box(x0 + s * unit + 0.5, y, (e - s) * unit - 1, 34, a[1:], BLUE if a[0] == "F" else ORANGE,
+                  size=16, bold=True)
     # rank 0's three phases
     warm = [e for a, _, e in spans[0] if a.startswith("F")][p - 2]
     drain = [s for a, s, _ in spans[0] if a.startswith("B")][m - (p - 1)]
@@ -814,9 +814,10 @@ def pipeline_1f1b() -> Canvas:
         xa, xb = x0 + a * unit, x0 + b * unit
         c.path(f"M{num(xa + 1)},{top - 6} v-5 H{num(xb - 1)} v5", points=[(xa, top - 11), (xb, top - 6)], width=1)
         c.text((xa + xb) / 2 if a else xa, top - 16, label, anchor="middle" if a else "start", size=MIN_FONT)
-    y = top + p * pitch + 10
+    y = top + p * pitch + 8
     for t in range(0, end + 1, 3):
         c.text(x0 + t * unit, y, str(t), anchor="middle", size=MIN_FONT)
+    c.text(x0 - 8, y, "time", anchor="end", size=MIN_FONT)
     y += 26
     x = swatch(c, 10, y, BLUE, "forward of micro-batch i") + 16
     x = swatch(c, x, y, ORANGE, "its backward") + 16

@@ -64,6 +64,7 @@ def save(path, model: nn.Module, optimizer=None, *, step: int | None = None,
     target = Path(path) / f"step_{step:08d}" if step is not None else Path(path)
     partial = target.with_name(target.name + ".partial")
     rank = dist.get_rank() if dist.is_initialized() else 0
+    # --8<-- [start:save_state]
     state = {
         "model": held.model_state(model),
         "meta": _encode({
@@ -76,6 +77,8 @@ def save(path, model: nn.Module, optimizer=None, *, step: int | None = None,
         "rng": {f"rank{rank}": _rng_state()}}
     if optimizer is not None:
         state["optim"] = {"state": held.optimizer_state(model, optimizer)}
+    # --8<-- [end:save_state]
+    # --8<-- [start:save_write]
     if rank == 0:
         # what a crashed save left behind
         shutil.rmtree(partial, ignore_errors=True)
@@ -93,6 +96,7 @@ def save(path, model: nn.Module, optimizer=None, *, step: int | None = None,
             for old in _checkpoints(Path(path))[:-keep_last]:
                 shutil.rmtree(old)
     _barrier()
+    # --8<-- [end:save_write]
     return target
 # --8<-- [end:save]
 
@@ -135,6 +139,7 @@ def load(path, model: nn.Module, optimizer=None, *,
     with _quiet():
         missing, unexpected = check(saved, meta, model, optimizer, strict)
     rank = dist.get_rank() if dist.is_initialized() else 0
+    # --8<-- [start:load_core]
     # a fresh optimizer has no state yet: make room for what will be loaded
     if optimizer is not None:
         held.make_optimizer_state(model, optimizer, _optimizer_entries(saved))
@@ -158,6 +163,7 @@ def load(path, model: nn.Module, optimizer=None, *,
     with _quiet():
         # each rank reads the parts of the saved tensors it now holds
         dcp.load(dest, storage_reader=reader)
+    # --8<-- [end:load_core]
     if optimizer is not None and meta["param_groups"]:
         held.load_param_groups(model, optimizer, meta["param_groups"])
     _set_rng_state(rng)

@@ -92,6 +92,7 @@ def sharded_piece(local: torch.Tensor, shard_start: int, shard_numel: int,
     if len(shape) == 0:
         here = shard_start <= offset < shard_start + shard_numel
         return local[offset - shard_start].view(()) if here else None
+    # --8<-- [start:every_rank]
     metadata, mine = [], []
     n = comm.world_size(group)
     ranks = comm.group_ranks(group)
@@ -109,6 +110,7 @@ def sharded_piece(local: torch.Tensor, shard_start: int, shard_numel: int,
                 view = local[begin: begin + math.prod(sizes)].view(sizes)
                 mine.append(Shard(view, metadata[-1]))
         # END EXERCISE
+    # --8<-- [end:every_rank]
     properties = TensorProperties(dtype=local.dtype, requires_grad=False)
     global_metadata = ShardedTensorMetadata(metadata, torch.Size(shape),
                                             properties)

@@ -120,6 +120,7 @@ def slots(model: nn.Module, optimizer) -> list[Slot]:
 
 
 # --8<-- [start:optimizer_state]
+# --8<-- [start:optimizer_state_only]
 def optimizer_state(model: nn.Module,
                     optimizer) -> dict[str, dict[str, torch.Tensor]]:
     """{name: {key: this rank's part of that parameter's state}}: the
@@ -142,6 +143,7 @@ def optimizer_state(model: nn.Module,
                 if part is not None:
                     out.setdefault(name, {})[key] = part
     return out
+# --8<-- [end:optimizer_state_only]
 
 
 def make_optimizer_state(model: nn.Module, optimizer,

@@ -217,6 +217,91 @@ def _choose(ex: Exercise, found: list[Region], rel: Path) -> tuple[Region | None
     return None, "its markers were not found in the submission's package"
 
 
+class Assembler:
+    """The graded copy of one submission, rebuilt in place for each grading pass: the reference project is
+    copied once, the submission read once, and `place` writes the exercise-holding files again with the
+    submission's code for the exercises asked, the reference's solution for every other one."""
+
+    def __init__(self, reference: str | Path, submission: str | Path, dest: str | Path,
+                 ref_files: list[Path] | None = None):
+        self.reference, self.submission = Path(reference).resolve(), Path(submission).resolve()
+        self.dest = Path(dest)
+        self.exercises = find_exercises(self.reference)
+        ref_files = project_files(self.reference) if ref_files is None else ref_files
+        self.warnings: list[str] = []
+        sub_files = _submission_files(self.submission)
+        if (self.submission / PACKAGE).is_symlink():
+            self.warnings.append(f"the submission's {PACKAGE}/ is a link; it was not read")
+        self.regions: dict[str, list[Region]] = {}
+        self.notes: dict[str, list[str]] = {}
+        for rel in _package_py(sub_files):
+            text = _read(self.submission / rel)
+            if text is None:
+                continue
+            found, problems = scan_regions(text, rel)
+            for region in found:
+                self.regions.setdefault(region.id, []).append(region)
+            for ex_id, problem in problems:
+                if ex_id is None:
+                    self.warnings.append(problem)
+                else:
+                    self.notes.setdefault(ex_id, []).append(problem)
+        copy_files(self.reference, self.dest, ref_files)
+        self.edits = (find_edits(self.reference, self.submission, ref_files, sub_files)
+                      if self.submission != self.reference else [])
+
+    def place(self, ids: Iterable[str]) -> Assembly:
+        """Write every exercise-holding file of the copy: the submission's code for `ids`, the reference's
+        solution for the others. Returns what went in (its warnings: this placement's and the reading's)."""
+        wanted = set(ids)
+        graded = [ex for ex in self.exercises if ex.id in wanted]
+        assembly = Assembly(self.dest, self.exercises, [ex.id for ex in graded], warnings=list(self.warnings),
+                            edits=list(self.edits))
+        by_file: dict[Path, list[Exercise]] = {}
+        for ex in self.exercises:
+            by_file.setdefault(ex.path.relative_to(self.reference), [])
+        for ex in graded:
+            by_file[ex.path.relative_to(self.reference)].append(ex)
+        for rel, in_file in by_file.items():
+            text = (self.reference / rel).read_text(encoding="utf-8")
+            if in_file:
+                text = self._with_submissions(text, rel, in_file, assembly)
+            (self.dest / rel).unlink()  # a link in the reference is copied as a link: never write through it
+            (self.dest / rel).write_text(text, encoding="utf-8")
+            try:
+                compile(text, str(rel), "exec", dont_inherit=True)
+            except SyntaxError as e:
+                assembly.warnings.append(f"{rel} is not valid Python with the submission's code in it "
+                                         f"({e.msg}, line {e.lineno}; exercise(s) "
+                                         f"{', '.join(ex.id for ex in in_file)}): its tests cannot import it")
+        return assembly
+
+    def _with_submissions(self, text: str, rel: Path, in_file: list[Exercise], assembly: Assembly) -> str:
+        lines = text.splitlines(keepends=True)
+        blocks = {b.exercise.id: b for b in _parse(text, rel)}
+        for ex in sorted(in_file, key=lambda e: e.begin, reverse=True):  # bottom up: line numbers hold
+            block = blocks[ex.id]
+            region, why = _choose(ex, self.regions.get(ex.id, []), rel)
+            newline = lines[ex.begin - 1][len(lines[ex.begin - 1].rstrip("\r\n")):] or "\n"
+            if region is None:
+                assembly.missing[ex.id] = "; ".join(self.notes.get(ex.id, [])) or why
+                body = placeholder_lines(ex, block.indent, newline)
+            else:
+                body = _reindent(region.body, region.indent, block.indent)
+            lines[ex.begin:ex.end - 1] = body
+        return "".join(lines)
+
+    def same_as_reference(self, ex: Exercise) -> bool:
+        """The submission's code for this exercise is the reference's solution, as the copy would hold it."""
+        region, _ = _choose(ex, self.regions.get(ex.id, []), ex.path.relative_to(self.reference))
+        if region is None:
+            return False
+        text = ex.path.read_text(encoding="utf-8")
+        block = next(b for b in _parse(text, ex.path.relative_to(self.reference)) if b.exercise.id == ex.id)
+        solution = text.splitlines(keepends=True)[ex.begin:ex.end - 1]
+        return _reindent(region.body, region.indent, block.indent) == solution
+
+
 def assemble(reference: str | Path, submission: str | Path, dest: str | Path,
              chapters: Iterable[int] | None = None, ref_files: list[Path] | None = None) -> Assembly:
     """Write the graded copy to `dest` (an empty or new directory) and say what went into it.
@@ -224,58 +309,6 @@ def assemble(reference: str | Path, submission: str | Path, dest: str | Path,
     chapters: the exercises graded (None: all); every other exercise keeps the reference's solution, so
     a chapter can be graded without the ones before it. ref_files: the reference's file list, if known.
     """
-    reference, submission, dest = Path(reference).resolve(), Path(submission).resolve(), Path(dest)
-    exercises = find_exercises(reference)
+    assembler = Assembler(reference, submission, dest, ref_files)
     wanted = None if chapters is None else set(chapters)
-    graded = [ex for ex in exercises if wanted is None or ex.chapter in wanted]
-    ref_files = project_files(reference) if ref_files is None else ref_files
-    assembly = Assembly(dest, exercises, [ex.id for ex in graded])
-
-    sub_files = _submission_files(submission)
-    if (submission / PACKAGE).is_symlink():
-        assembly.warnings.append(f"the submission's {PACKAGE}/ is a link; it was not read")
-    regions: dict[str, list[Region]] = {}
-    notes: dict[str, list[str]] = {}
-    for rel in _package_py(sub_files):
-        text = _read(submission / rel)
-        if text is None:
-            continue
-        found, problems = scan_regions(text, rel)
-        for region in found:
-            regions.setdefault(region.id, []).append(region)
-        for ex_id, problem in problems:
-            if ex_id is None:
-                assembly.warnings.append(problem)
-            else:
-                notes.setdefault(ex_id, []).append(problem)
-
-    copy_files(reference, dest, ref_files)
-    by_file: dict[Path, list[Exercise]] = {}
-    for ex in graded:
-        by_file.setdefault(ex.path.relative_to(reference), []).append(ex)
-    for rel, in_file in by_file.items():
-        text = (reference / rel).read_text(encoding="utf-8")
-        lines = text.splitlines(keepends=True)
-        blocks = {b.exercise.id: b for b in _parse(text, rel)}
-        for ex in sorted(in_file, key=lambda e: e.begin, reverse=True):  # bottom up: line numbers hold
-            block = blocks[ex.id]
-            region, why = _choose(ex, regions.get(ex.id, []), rel)
-            newline = lines[ex.begin - 1][len(lines[ex.begin - 1].rstrip("\r\n")):] or "\n"
-            if region is None:
-                assembly.missing[ex.id] = "; ".join(notes.get(ex.id, [])) or why
-                body = placeholder_lines(ex, block.indent, newline)
-            else:
-                body = _reindent(region.body, region.indent, block.indent)
-            lines[ex.begin:ex.end - 1] = body
-        assembled = "".join(lines)
-        (dest / rel).unlink()  # a link in the reference is copied as a link: never write through it
-        (dest / rel).write_text(assembled, encoding="utf-8")
-        try:
-            compile(assembled, str(rel), "exec", dont_inherit=True)
-        except SyntaxError as e:
-            assembly.warnings.append(f"{rel} is not valid Python with the submission's code in it "
-                                     f"({e.msg}, line {e.lineno}; exercise(s) "
-                                     f"{', '.join(ex.id for ex in in_file)}): its tests cannot import it")
-    if submission != reference:
-        assembly.edits = find_edits(reference, submission, ref_files, sub_files)
-    return assembly
+    return assembler.place(ex.id for ex in assembler.exercises if wanted is None or ex.chapter in wanted)

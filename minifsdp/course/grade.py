@@ -8,8 +8,10 @@ graded); the tests, conftest.py, pytest configuration and the rest of the packag
 The reference is, unless told otherwise, the project that holds the running package.
 
 A chapter's tests are the files tests/test_chNN_*.py. Each chapter runs in a fresh pytest process in
-that copy, with a time limit, and its imports resolve to the copy alone: never to the submission's
-directory or an installed minifsdp (runner.py). The outcomes come from the grader's own plugin (plugin.py),
+that copy, holding that chapter's exercises from the submission and the reference's solution of every
+other one, then each exercise's unsettled tests with that exercise alone from the submission (see [Note:
+where a wrong solution costs points]), each with a time limit. Imports resolve to the copy alone: never
+to the submission's directory or an installed minifsdp (runner.py). The outcomes come from the grader's own plugin (plugin.py),
 loaded from a directory that holds only it. The maximum comes from collecting the reference's tests, so a
 chapter that crashes, hangs or cannot even be collected scores 0 of its real maximum instead of
 vanishing. A test that is skipped (one that needs GPUs, on a laptop) neither earns nor costs a point.
@@ -30,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
 
-from minifsdp.course.assemble import assemble
+from minifsdp.course.assemble import Assembler
 from minifsdp.course.runner import PytestRun, plugin_dir, run_pytest
 from minifsdp.course.student import (ASSIGNMENT_FILE, PACKAGE, Exercise, copy_files, find_exercises, project_files,
                                      read_assignment)
@@ -176,62 +178,105 @@ def collect_reference(reference: str | Path | None, chapters: Iterable[int] | st
 
 # -- scoring -------------------------------------------------------------------------------------------------
 
-def _score_chapter(ref: Reference, chapter: int, run: PytestRun) -> dict:
+def _status(run: PytestRun) -> str:
     if run.timed_out:
-        status = f"stopped after {run.seconds:.0f} s (time limit)"
-    elif run.report is None:
+        return f"stopped after {run.seconds:.0f} s (time limit)"
+    if run.report is None:
         tail = [line for line in run.output.strip().splitlines() if line.strip()][-1:]
-        status = f"pytest ended (exit code {run.returncode}) without a report: {tail[0] if tail else ''}".rstrip(": ")
-    else:
-        status = "ran"
+        return f"pytest ended (exit code {run.returncode}) without a report: {tail[0] if tail else ''}".rstrip(": ")
+    return "ran"
+
+
+def _outcomes(tests: list[Test], run: PytestRun) -> dict[str, tuple[str, str, float]]:
+    """test id -> (passed / failed / skipped, why, seconds) for these tests in one pytest run."""
+    status = _status(run)
     results = run.report["results"] if run.report else {}
     broken = {e["id"]: e["cause"] for e in (run.report or {}).get("collect_errors", [])}
-    passed, failed, skipped = [], [], []
-    for test in ref.tests[chapter]:
+    out = {}
+    for test in tests:
         result = results.get(test.id)
+        seconds = result["seconds"] if result else 0.0
         if test.skip is not None:
-            skipped.append({"id": test.id, "cause": test.skip})
+            out[test.id] = ("skipped", test.skip, 0.0)
         elif status != "ran":
-            failed.append({"id": test.id, "cause": status})
+            out[test.id] = ("failed", status, seconds)
         elif result is None:
             file = test.id.split("::")[0]
-            cause = f"not collected: {broken[file]}" if file in broken else "did not run"
-            failed.append({"id": test.id, "cause": cause})
-        elif result["outcome"] == "passed":
-            passed.append(test.id)
-        elif result["outcome"] == "skipped":
-            skipped.append({"id": test.id, "cause": result["cause"] or "skipped"})
+            out[test.id] = ("failed", f"not collected: {broken[file]}" if file in broken else "did not run", 0.0)
+        elif result["outcome"] in ("passed", "skipped"):
+            out[test.id] = (result["outcome"], result["cause"] or result["outcome"], seconds)
         else:
-            failed.append({"id": test.id, "cause": result["cause"] or result["outcome"]})
-    return {"chapter": chapter, "score": len(passed), "max": len(passed) + len(failed), "status": status,
+            out[test.id] = ("failed", result["cause"] or result["outcome"], seconds)
+    return out
+
+
+def _score_chapter(ref: Reference, chapter: int, run: PytestRun, outcome: dict[str, tuple[str, str, float]]) -> dict:
+    passed = [t.id for t in ref.tests[chapter] if outcome[t.id][0] == "passed"]
+    failed = [{"id": t.id, "cause": outcome[t.id][1]} for t in ref.tests[chapter] if outcome[t.id][0] == "failed"]
+    skipped = [{"id": t.id, "cause": outcome[t.id][1]} for t in ref.tests[chapter] if outcome[t.id][0] == "skipped"]
+    return {"chapter": chapter, "score": len(passed), "max": len(passed) + len(failed), "status": _status(run),
             "seconds": round(run.seconds, 1), "passed": passed, "failed": failed, "skipped": skipped,
-            "test_seconds": {t: round(results[t]["seconds"], 3) for t in passed + [f["id"] for f in failed]
-                             if t in results}}
+            "test_seconds": {t: round(outcome[t][2], 3) for t in passed + [f["id"] for f in failed]}}
 
 
-def _score_exercises(ref: Reference, graded: list[Exercise], chapters: dict[int, dict],
+def _score_exercises(ref: Reference, graded: list[Exercise], own: dict[tuple[str, str], tuple[str, str, float]],
                      missing: dict[str, str]) -> list[dict]:
-    outcome: dict[str, bool | None] = {}  # test id -> passed (None: skipped)
-    seconds: dict[str, float] = {}        # test id -> its set-up, call and tear-down, as pytest timed them
-    for chapter in chapters.values():
-        seconds.update(chapter["test_seconds"])
-        outcome.update({t: True for t in chapter["passed"]})
-        outcome.update({t["id"]: False for t in chapter["failed"]})
-        outcome.update({t["id"]: None for t in chapter["skipped"]})
+    """Each exercise scored on its tests as they ran with its code alone from the submission (own[(id, test)])."""
     rows = []
     for ex in graded:
-        tests = [t for c in chapters for t in ref.tests[c] if ex.id in t.exercises and outcome.get(t.id) is not None]
+        tests = [t for c in ref.tests for t in ref.tests[c]
+                 if ex.id in t.exercises and own[(ex.id, t.id)][0] != "skipped"]
+        ok = {t.id: own[(ex.id, t.id)][0] == "passed" for t in tests}
         mechanism = [t for t in tests if t.mechanism]
         rows.append({"id": ex.id, "chapter": ex.chapter, "title": ex.title,
                      "from_submission": ex.id not in missing, "note": missing.get(ex.id),
-                     "score": sum(outcome[t.id] for t in tests), "max": len(tests),
-                     "mechanism": {"score": sum(outcome[t.id] for t in mechanism), "max": len(mechanism)},
-                     "tests": [t.id for t in tests], "passed": [t.id for t in tests if outcome[t.id]],
-                     "failed": [t.id for t in tests if not outcome[t.id]],
-                     # a test marked with two exercises counts in both; a module fixture's set-up, in the test
-                     # that first asked for it
-                     "seconds": round(sum(seconds.get(t.id, 0.0) for t in tests), 1)})
+                     "score": sum(ok[t.id] for t in tests), "max": len(tests),
+                     "mechanism": {"score": sum(ok[t.id] for t in mechanism), "max": len(mechanism)},
+                     "tests": [t.id for t in tests], "passed": [t.id for t in tests if ok[t.id]],
+                     "failed": [t.id for t in tests if not ok[t.id]],
+                     "seconds": round(sum(own[(ex.id, t.id)][2] for t in tests), 1)})
     return rows
+
+
+# [Note: where a wrong solution costs points]
+# A chapter's tests call the code of several exercises, some of earlier chapters: a 5.2 that all-reduces
+# instead of reduce-scattering makes chapter 6's tests fail too, though 6.1 and 6.2 may be right. So no test
+# is scored in a copy holding every exercise of the submission. A chapter's tests run in a copy with that
+# chapter's exercises from the submission and every other exercise the reference's solution; then each
+# exercise's marked tests that this did not settle -- those that failed, and those marked with an exercise of
+# another chapter -- run again in a copy with that one exercise from the submission. An exercise scores its
+# tests as they ran with its own code alone; a chapter scores a marked test only if it passed for every
+# exercise it is marked with, and a test of no exercise as it ran with the chapter's code. A wrong X then
+# costs points in X's tests and in X's chapter's tests of no exercise, never in Y's.
+
+def _own_runs(ref: Reference, asm: Assembler, graded: list[Exercise], chapter_outcome: dict, run, timeout: float,
+              keep_out: list[Path]) -> dict[tuple[str, str], tuple[str, str, float]]:
+    """(exercise, test) -> the test's outcome with that exercise alone from the submission."""
+    own = {}
+    for ex in graded:
+        tests = [t for c in ref.tests for t in ref.tests[c] if ex.id in t.exercises]
+        settled = {t.id for t in tests if t.chapter == ex.chapter and chapter_outcome[t.id][0] != "failed"}
+        if asm.same_as_reference(ex):  # the reference's own code: its chapter copies already ran it
+            settled |= {t.id for t in tests if t.chapter != ex.chapter}
+        for t in tests:
+            if t.id in settled:
+                own[(ex.id, t.id)] = chapter_outcome[t.id]
+        rerun = [t for t in tests if t.id not in settled]
+        if rerun:
+            asm.place([ex.id])
+            outcome = _outcomes(rerun, run(asm.dest, [t.id for t in rerun], timeout, keep_out))
+            own.update({(ex.id, t.id): outcome[t.id] for t in rerun})
+    return own
+
+
+def _for_the_chapter(test: str, marks: tuple[str, ...], chapter_outcome: dict, own: dict) -> tuple[str, str, float]:
+    """A test's outcome in its chapter's score: as it ran with each exercise it is marked with alone from the
+    submission (failed if it failed for any of them), or with the chapter's code where it is marked with no
+    exercise graded."""
+    outs = [own[(e, test)] for e in marks if (e, test) in own]
+    if not outs:
+        return chapter_outcome[test]
+    return next((o for o in outs if o[0] == "failed"), None) or next((o for o in outs if o[0] == "passed"), outs[0])
 
 
 def grade_submission(submission: str | Path, ref: Reference, plugins: Path, timeout: float = DEFAULT_TIMEOUT,
@@ -241,24 +286,35 @@ def grade_submission(submission: str | Path, ref: Reference, plugins: Path, time
     if not submission.is_dir():
         raise FileNotFoundError(f"no submission at {submission}")
     started = time.monotonic()
-    chapters: dict[int, dict] = {}
+    runs: dict[int, PytestRun] = {}
+    chapter_outcome: dict[str, tuple[str, str, float]] = {}
+
+    def run(copy, args, limit, keep_out):
+        return run_pytest(copy, args, plugins, limit, keep_out=keep_out)
+
     with tempfile.TemporaryDirectory(prefix=f"{PACKAGE}-graded-") as tmp:
-        copy = Path(tmp) / "project"
         # A submission kept inside the reference's directory is not part of the reference.
         inside = submission != ref.root and submission.is_relative_to(ref.root)
         ref_files = [f for f in ref.files if not (inside and (ref.root / f).is_relative_to(submission))]
-        assembly = assemble(ref.root, submission, copy, chapters=list(ref.tests), ref_files=ref_files)
+        asm = Assembler(ref.root, submission, Path(tmp) / "project", ref_files)
+        assembly = asm.place(ex.id for ex in asm.exercises if ex.chapter in ref.tests)  # what is graded
         for chapter, files in ref.chapter_files.items():
             args = list(files)
             if junit_dir is not None:
                 Path(junit_dir).mkdir(parents=True, exist_ok=True)
                 args.append(f"--junitxml={Path(junit_dir).resolve() / f'chapter_{chapter:02d}.xml'}")
-            run = run_pytest(copy, args, plugins, timeout, keep_out=[submission])
-            chapters[chapter] = _score_chapter(ref, chapter, run)
+            placed = asm.place(ex.id for ex in asm.exercises if ex.chapter == chapter)
+            assembly.warnings += [w for w in placed.warnings if w not in assembly.warnings]
+            runs[chapter] = run(asm.dest, args, timeout, [submission])
+            chapter_outcome.update(_outcomes(ref.tests[chapter], runs[chapter]))
             if progress is not None:
-                progress(chapters[chapter])
-    graded = [ex for ex in ref.exercises if ex.id in set(assembly.graded)]
-    exercises = _score_exercises(ref, graded, chapters, assembly.missing)
+                progress(_score_chapter(ref, chapter, runs[chapter], chapter_outcome))
+        graded = [ex for ex in ref.exercises if ex.id in set(assembly.graded)]
+        own = _own_runs(ref, asm, graded, chapter_outcome, run, timeout, [submission])
+    final = {t: _for_the_chapter(t, marks, chapter_outcome, own) for c in ref.tests for t, marks in
+             ((t.id, t.exercises) for t in ref.tests[c])}
+    chapters = {c: _score_chapter(ref, c, runs[c], final) for c in ref.chapter_files}
+    exercises = _score_exercises(ref, graded, own, assembly.missing)
     warnings = list(ref.warnings) + assembly.warnings
     warnings += [f"chapter {ex.chapter}'s exercise {ex.id} has no tests marked exercise(\"{ex.id}\"); only its "
                  f"chapter's score shows it" for ex, row in zip(graded, exercises) if row["max"] == 0]

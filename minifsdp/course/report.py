@@ -7,6 +7,7 @@ disagree with it.
 from __future__ import annotations
 
 import csv
+import textwrap
 from pathlib import Path
 
 _MOST_CAUSES = 5  # per chapter, in the table
@@ -59,7 +60,9 @@ def _print_causes(chapter: dict) -> None:
         by_cause.setdefault(test["cause"], []).append(test["id"])
     for cause, tests in list(by_cause.items())[:_MOST_CAUSES]:
         also = f" and {len(tests) - 1} more" if len(tests) > 1 else ""
-        print(f"  chapter {chapter['chapter']}: {tests[0]}{also}\n      {cause[:200]}")
+        # whole (the plugin keeps 300 characters of it), wrapped: a check's message names the likely mistake
+        print(f"  chapter {chapter['chapter']}: {tests[0]}{also}\n"
+              + textwrap.fill(cause, 110, initial_indent=" " * 6, subsequent_indent=" " * 6))
     if len(by_cause) > _MOST_CAUSES:
         print(f"  chapter {chapter['chapter']}: ... and {len(by_cause) - _MOST_CAUSES} other causes")
 

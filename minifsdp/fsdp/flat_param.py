@@ -94,6 +94,7 @@ class FlatParameter:
         self.shapes = [p.shape for p in params]
         self.numels = [p.numel() for p in params]
         self.numel = sum(self.numels)
+        # --8<-- [start:flatten]
         # BEGIN EXERCISE 5.1: flatten, pad to N equal shards, keep this rank's shard
         # where each parameter starts, and the size padded so that it cuts
         # into N equal shards. Each starts on a 64-byte boundary, as in
@@ -119,6 +120,7 @@ class FlatParameter:
         self._full = padded
         _free_storage(self._full)
         self.state = ShardState.SHARDED
+        # --8<-- [end:flatten]
         # the all-gather in flight (UNSHARDING), and what it sends
         self._unshard_handle = self._all_gather_input = None
         # what a reduce-scatter in flight sends (kept alive until its wait)
@@ -139,6 +141,7 @@ class FlatParameter:
     # --8<-- [end:init]
 
     # --8<-- [start:unshard]
+    # --8<-- [start:unshard_call]
     def unshard(self, async_op: bool = False) -> None:
         """All-gather the full parameters and point every original parameter
         at its view into them. async_op=True: only start the all-gather (a
@@ -157,6 +160,7 @@ class FlatParameter:
             self.state = ShardState.UNSHARDING
         if not async_op:
             self.wait_for_unshard()
+    # --8<-- [end:unshard_call]
 
     def all_gather_input(self) -> torch.Tensor:
         """What this rank sends to the all-gather: its shard (chapter 8: a
@@ -223,6 +227,7 @@ class FlatParameter:
             # one split of the whole buffer, gaps included: autograd then
             # writes the flat gradient once (a slice per parameter would give
             # each its own zero-filled full-size gradient, summed)
+            # --8<-- [start:split]
             if use_full:
                 sizes, end = [], 0
                 for offset, numel in zip(self.offsets, self.numels):
@@ -234,6 +239,7 @@ class FlatParameter:
                 # one: it runs once every node that reads these parameters has
                 # run (free_before_concat)
                 self.concat_node = views[0].grad_fn
+            # --8<-- [end:split]
             else:
                 # sharded: the originals are not usable; empty tensors make a
                 # stray use fail loudly
@@ -246,6 +252,7 @@ class FlatParameter:
     # --8<-- [end:views]
 
     # --8<-- [start:reduce_scatter_grad]
+    # --8<-- [start:reduce_scatter]
     def reduce_scatter_grad(self, full_grad: torch.Tensor):
         """Start averaging the flat gradient across ranks; returns (async
         handle, this rank's shard of it). The tensor being sent -- `full_grad`
@@ -267,6 +274,7 @@ class FlatParameter:
                                          tag=f"reduce_scatter {self.name}",
                                          group=self.group)
             # END EXERCISE
+    # --8<-- [end:reduce_scatter]
         if self.replicate_group is not None:
             handle = _ThenAverageAcross(handle, grad_shard,
                                         self.replicate_group, self.name)

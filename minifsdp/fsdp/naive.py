@@ -27,6 +27,7 @@ from minifsdp.fsdp.flat_param import FlatParameter
 
 
 # --8<-- [start:naive]
+# --8<-- [start:naive_units]
 class NaiveFSDP(nn.Module):
     def __init__(self, module: nn.Module, unit_classes: tuple = ()):
         super().__init__()
@@ -46,8 +47,10 @@ class NaiveFSDP(nn.Module):
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
+# --8<-- [end:naive_units]
 
 
+# --8<-- [start:naive_hooks]
 def _hook(unit: nn.Module, flat: FlatParameter) -> None:
     def before_forward(module, args):
         flat.unshard()
@@ -72,4 +75,5 @@ def _hook(unit: nn.Module, flat: FlatParameter) -> None:
     unit.register_forward_pre_hook(before_forward)
     unit.register_forward_hook(after_forward)
     flat.param.register_post_accumulate_grad_hook(after_backward)
+# --8<-- [end:naive_hooks]
 # --8<-- [end:naive]

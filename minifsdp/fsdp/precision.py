@@ -57,6 +57,7 @@ class MixedPrecisionFlatParameter(FlatParameter):
             self.param._offloaded = True
             self._set_views(use_full=False)
 
+    # --8<-- [start:cast]
     def all_gather_input(self) -> torch.Tensor:
         if not self.offload and self.param_dtype == self._shard.dtype:
             return self._shard
@@ -82,6 +83,7 @@ class MixedPrecisionFlatParameter(FlatParameter):
         if full_grad.dtype != self.reduce_dtype:
             full_grad = full_grad.to(self.reduce_dtype)
         return super().reduce_scatter_grad(full_grad)
+    # --8<-- [end:cast]
     # --8<-- [end:precision]
 
     # --8<-- [start:grad_offload]

@@ -73,6 +73,7 @@ class AllGatherLimiter:
     ever pending, and the limiter never waits.
     """
 
+    # --8<-- [start:limiter_code]
     def __init__(self, limit: int = 2):
         self.limit, self.pending = limit, collections.deque()
 
@@ -85,6 +86,7 @@ class AllGatherLimiter:
     def before_all_gather(self) -> None:
         while len(self.pending) >= self.limit:
             self.pending.popleft().synchronize()
+    # --8<-- [end:limiter_code]
 # --8<-- [end:limiter]
 
 
@@ -126,6 +128,7 @@ class PrefetchingUnit(FSDPUnit):
                 "limit_all_gathers": self.limit_all_gathers}
 
     # --8<-- [start:prefetch]
+    # --8<-- [start:prefetch_next]
     def _prefetch_next(self, phase: str) -> None:
         """Start the all-gather of the unit that computes next: in forward with
         forward_prefetch; in backward before (BACKWARD_PRE) or after
@@ -141,7 +144,9 @@ class PrefetchingUnit(FSDPUnit):
             return
         if nxt is not None:
             nxt._start_unshard()
+    # --8<-- [end:prefetch_next]
 
+    # --8<-- [start:next_units]
     def _next_in_forward(self) -> PrefetchingUnit | None:
         """The unit whose forward comes after ours, once the order is known."""
         # BEGIN EXERCISE 7.1: forward prefetch: the unit whose forward is next
@@ -166,6 +171,7 @@ class PrefetchingUnit(FSDPUnit):
             return None
         return nxt
         # END EXERCISE
+    # --8<-- [end:next_units]
     # --8<-- [end:prefetch]
 
     # --8<-- [start:record]

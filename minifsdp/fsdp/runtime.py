@@ -216,6 +216,7 @@ class FSDPUnit(nn.Module):
 
     # -- forward ------------------------------------------------------------------------------------------
     # --8<-- [start:forward]
+    # --8<-- [start:unshard_compute]
     def forward(self, *args, **kwargs):
         args, kwargs = self.pre_forward(args, kwargs)
         # for a timeline, if one listens
@@ -224,6 +225,7 @@ class FSDPUnit(nn.Module):
         events.emit(events.COMPUTE_END, f"forward {self.unit_name}")
         return self.post_forward(out)
 
+    # --8<-- [start:pre_forward]
     def pre_forward(self, args, kwargs):
         """Unshard this unit (the root first prepares the step)."""
         if self.is_root:
@@ -235,7 +237,10 @@ class FSDPUnit(nn.Module):
         # ... and only now block, for it
         self._wait_for_unshard()
         return args, kwargs
+    # --8<-- [end:pre_forward]
+    # --8<-- [end:unshard_compute]
 
+    # --8<-- [start:post_forward]
     def post_forward(self, out):
         """Reshard -- unless a backward is coming and this is the root or a
         unit that keeps its parameters -- and hook the coming backward."""
@@ -264,6 +269,7 @@ class FSDPUnit(nn.Module):
                     flat.concat_node.register_prehook(
                         lambda grad_outputs, flat=flat: self._before_concat(flat))
         return out
+    # --8<-- [end:post_forward]
     # --8<-- [end:forward]
 
     def _root_pre_forward(self, args, kwargs):

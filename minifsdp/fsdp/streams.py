@@ -18,6 +18,7 @@ import torch
 _side_streams: dict = {}
 
 
+# --8<-- [start:side_stream]
 @contextlib.contextmanager
 def side_stream(kind: str, tensor: torch.Tensor, after_compute: bool):
     """On a GPU, run the block on a stream of its own (one for all-gathers, one
@@ -37,6 +38,7 @@ def side_stream(kind: str, tensor: torch.Tensor, after_compute: bool):
         stream.wait_stream(torch.cuda.current_stream(tensor.device))
     with torch.cuda.stream(stream):
         yield
+# --8<-- [end:side_stream]
 
 
 def _stream(kind: str, device: torch.device):
@@ -58,9 +60,11 @@ def sync_all_gathers(device: torch.device) -> None:
 # --8<-- [end:streams]
 
 
+# --8<-- [start:record_stream]
 def keep_until_compute_is_past(t: torch.Tensor) -> None:
     """Before freeing `t`, a buffer the compute stream may still be reading (the
     CPU runs ahead): the allocator must not hand its memory to the next
     all-gather before the compute stream gets past this point."""
     if t.is_cuda:
         t.record_stream(torch.cuda.current_stream())
+# --8<-- [end:record_stream]

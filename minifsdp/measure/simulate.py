@@ -233,6 +233,7 @@ def rank0(spec: Spec) -> dict:
     spec.check()
     start = time.perf_counter()
     n, device = comm.world_size(), torch.device(spec.device)
+    # --8<-- [start:meta_model]
     # every parameter made on `device`: on meta, shapes without memory
     with device:
         model = Llama(spec.config())
@@ -244,6 +245,7 @@ def rank0(spec: Spec) -> dict:
         for layer in model.layers:
             checkpoint_module(layer)
     wrapped, optimizer = wrap(model, spec)
+    # --8<-- [end:meta_model]
     # refresh=False: every resize in minifsdp's wrappers is announced
     # (events.STORAGE_RESIZED), so the meter need not re-read every live
     # storage's size at every op -- what would make a 70B model slow

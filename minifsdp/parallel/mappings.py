@@ -50,6 +50,7 @@ def divide(size: int, t: int, what: str, stride: int = 1) -> int:
 
 
 # --8<-- [start:shard_of]
+# --8<-- [start:stride]
 def shard_of(full: torch.Tensor, dim: int, rank: int, world_size: int,
              stride: int = 1) -> torch.Tensor:
     """Rank `rank`'s part of `full`, split along `dim` (a copy: the full tensor
@@ -60,6 +61,7 @@ def shard_of(full: torch.Tensor, dim: int, rank: int, world_size: int,
     pieces r, r + t, ..., r + (k-1)t -- its slice of each matrix."""
     pieces = full.detach().chunk(stride * world_size, dim)
     return torch.cat(pieces[rank::world_size], dim)
+# --8<-- [end:stride]
 
 
 def full_tensor(local: torch.Tensor, param: nn.Parameter,
@@ -129,6 +131,7 @@ def _split_last_dim(x: torch.Tensor, group, what: str) -> torch.Tensor:
 
 # -- f and g, and the sequence-parallel pairs --------------------------------------------------------------------------
 # --8<-- [start:f_g]
+# --8<-- [start:f_or_g]
 def _f_or_g(mapping: str, direction: str, x: torch.Tensor,
             group) -> torch.Tensor:
     """One of the four passes of the conjugate pair: f or g, forward or backward
@@ -146,6 +149,7 @@ def _f_or_g(mapping: str, direction: str, x: torch.Tensor,
     comm.all_reduce(out, group=group, tag=f"{mapping} {direction}")
     return out
     # END EXERCISE
+# --8<-- [end:f_or_g]
 
 
 class _CopyToModelParallelRegion(torch.autograd.Function):
@@ -249,6 +253,7 @@ class _GatherFromSequenceParallelRegion(torch.autograd.Function):
                                     "gather_from_sp backward"), None
 
 
+# --8<-- [start:sp_reduce_scatter]
 class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
     """g's place under sequence parallelism: sum the row layer's partial outputs
     and keep this rank's tokens; backward: every rank needs every token's
@@ -267,6 +272,7 @@ class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
             return grad_output, None
         return _all_gather_dim0(grad_output, ctx.group,
                                 "reduce_scatter_to_sp backward"), None
+# --8<-- [end:sp_reduce_scatter]
 # --8<-- [end:sequence_parallel]
 
 

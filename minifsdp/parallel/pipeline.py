@@ -94,6 +94,7 @@ class _Mailbox:
         for src in self.expected:
             self._post_next(src)
 
+    # --8<-- [start:mailbox_take]
     def _post_next(self, src: int) -> None:
         if not self.expected[src]:
             return
@@ -116,6 +117,7 @@ class _Mailbox:
         handle.wait()
         self._post_next(src)
         return buffer
+    # --8<-- [end:mailbox_take]
 # --8<-- [end:mailbox]
 
 
@@ -184,6 +186,7 @@ class PipelineSchedule:
         return torch.stack(step_losses).mean() if step_losses else None
 
     # -- the pieces of a step ---------------------------------------------------
+    # --8<-- [start:actions]
     def _forward(self, action: Action) -> None:
         stage, i = self._stage[action.stage], action.microbatch
         x = (self._inputs[i] if stage.is_first
@@ -212,6 +215,7 @@ class PipelineSchedule:
                 handle.wait()
         if not stage.is_first:
             self._send(("gradient", stage.stage_index - 1, i), grad_input)
+    # --8<-- [end:actions]
     # --8<-- [end:step]
 
     def _send(self, message: tuple, tensor: torch.Tensor) -> None:

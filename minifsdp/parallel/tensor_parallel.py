@@ -85,6 +85,7 @@ class _LinearWithAsyncGradAllreduce(torch.autograd.Function):
             x = x.new_empty((t * x.shape[0],) + tuple(x.shape[1:]))
             gather = comm.all_gather(x, x_shard, async_op=True, group=group,
                                      tag=f"backward {name} gather input")
+        # --8<-- [start:async_backward]
         # the same matmuls, in the same orientation, as autograd's for
         # F.linear: the same bits as the plain path
         grad_input = grad_output.matmul(weight)
@@ -111,6 +112,7 @@ class _LinearWithAsyncGradAllreduce(torch.autograd.Function):
         if reduction is not None:
             reduction.wait()
         return grad_input, grad_weight, grad_bias, None, None, None
+        # --8<-- [end:async_backward]
 # --8<-- [end:async]
 
 
@@ -253,6 +255,7 @@ class RowParallelLinear(nn.Module):
                 layer.bias.copy_(linear.bias)
         return layer
 
+    # --8<-- [start:row_forward]
     def forward(self, y: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             y = scatter_to_tensor_model_parallel_region(y, self.group)
@@ -262,6 +265,7 @@ class RowParallelLinear(nn.Module):
         else:
             z = reduce_from_tensor_model_parallel_region(partial, self.group)
         return z if self.bias is None else z + self.bias
+    # --8<-- [end:row_forward]
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features} "

@@ -139,6 +139,7 @@ class TensorParallelGPT(nn.Module):
         return cls(gpt, group=group, sequence_parallel=sequence_parallel,
                    async_grad_allreduce=async_grad_allreduce)
 
+    # --8<-- [start:tp_forward]
     def forward(self, idx: torch.Tensor,
                 targets: torch.Tensor | None = None) -> torch.Tensor:
         s = idx.shape[1]
@@ -155,6 +156,7 @@ class TensorParallelGPT(nn.Module):
             return logits
         loss = vocab_parallel_cross_entropy(logits, targets.t(), self.group)
         return loss.mean()
+    # --8<-- [end:tp_forward]
 
     def lm_logits(self, x: torch.Tensor) -> torch.Tensor:
         """Megatron's parallel_lm_logits: the output layer shares the

@@ -48,6 +48,7 @@ class VocabParallelEmbedding(nn.Module):
         return cls(embedding.num_embeddings, embedding.embedding_dim,
                    group=group, init_method=lambda w: w.copy_(embedding.weight))
 
+    # --8<-- [start:vocab_lookup]
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         elsewhere = ((input_ids < self.vocab_start_index)
                      | (input_ids >= self.vocab_end_index))
@@ -57,6 +58,7 @@ class VocabParallelEmbedding(nn.Module):
         out = F.embedding(local_ids, self.weight).masked_fill(
             elsewhere.unsqueeze(-1), 0.0)
         return reduce_from_tensor_model_parallel_region(out, self.group)
+    # --8<-- [end:vocab_lookup]
 
     def extra_repr(self) -> str:
         return (f"{self.num_embeddings}, {self.embedding_dim}, this rank: "
@@ -76,6 +78,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     communication: dL/dz = softmax(z) - onehot(target), and each rank computes
     it for its own V/t columns from what forward kept."""
 
+    # --8<-- [start:ce_forward]
     @staticmethod
     def forward(ctx, logits, target, group):
         t = comm.world_size(group)
@@ -104,6 +107,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), elsewhere,
                               local_target)
         return loss
+    # --8<-- [end:ce_forward]
 
     @staticmethod
     def backward(ctx, grad_loss):

@@ -123,7 +123,8 @@ def run_phases_report(world_sizes=(1, 2, 3, 4),
                       plot: str | None = None, markdown: str | None = None,
                       plot_world_size: int | None = None) -> dict:
     """Per-phase memory at each world size (table); the plot shows one of them, `plot_world_size` (default:
-    the last), a panel per phase, a bar per strategy."""
+    the last), a panel per phase, a bar per strategy. The tabs open on that world size; N = 1, where
+    nothing is sharded and every strategy holds the same, comes last."""
     shown = world_sizes[-1] if plot_world_size is None else plot_world_size
     if plot and shown not in world_sizes:
         raise ValueError(f"--plot-world-size {shown} is not one of --world-sizes {list(world_sizes)}")
@@ -154,7 +155,8 @@ def run_phases_report(world_sizes=(1, 2, 3, 4),
     write_report(f"Memory per rank (rank 0) at each phase of one step: tour GPT (Ψ = {psi:,}), AdamW, CPU; "
                  f"analytic model states per the ZeRO stage (for FSDP: 16Ψ/N over the padded units, plus the full "
                  f"buffer of every unit still unsharded). A tab per world size, a table per phase.\n\n"
-                 + md_tabs(panels), markdown)
+                 + md_tabs(sorted(panels, key=lambda tab: (tab[0] != f"N = {shown}", tab[0] == "N = 1"))),
+                 markdown)
     if plot:
         shown_bars.sort(key=lambda b: PHASES.index(b[3]))  # a panel per phase, a bar per strategy
         plot_memory([b[:3] for b in shown_bars], plot, f"Memory per rank at each phase of the third step, N = {shown}",

@@ -29,6 +29,7 @@ class Link:
 
 
 # --8<-- [start:alpha_beta]
+# --8<-- [start:algorithm_steps]
 def algorithm_steps(kind: str, n: int, algorithm: str = "ring") -> int:
     """How many steps (each paying alpha once) a collective over n ranks
     takes."""
@@ -45,6 +46,7 @@ def algorithm_steps(kind: str, n: int, algorithm: str = "ring") -> int:
         return 2 * math.ceil(math.log2(n))
     # END EXERCISE
     raise ValueError(f"algorithm must be 'ring' or 'tree', not {algorithm!r}")
+# --8<-- [end:algorithm_steps]
 
 
 def wire_bytes(kind: str, nbytes: float, n: int,
@@ -57,6 +59,7 @@ def wire_bytes(kind: str, nbytes: float, n: int,
     return ring_bytes(kind, nbytes, n) if algorithm == "ring" else 2.0 * nbytes
 
 
+# --8<-- [start:alpha_beta_fn]
 def alpha_beta(kind: str, nbytes: float, n: int, link: Link,
                algorithm: str = "ring") -> float:
     """Seconds for a collective over `nbytes` (the full, unsharded size) on n
@@ -69,6 +72,7 @@ def alpha_beta(kind: str, nbytes: float, n: int, link: Link,
     step = link.alpha if algorithm == "ring" else link.tree_step
     return (step * algorithm_steps(kind, n, algorithm)
             + wire_bytes(kind, nbytes, n, algorithm) / link.busbw)
+# --8<-- [end:alpha_beta_fn]
 
 
 def ring_tree_crossover(n: int, link: Link) -> float:
