@@ -10,6 +10,12 @@ tests read what it measured. At each width a page fails on
 - a figure whose text is drawn smaller than MIN_TEXT_PX on the screen;
 - a table wider than the content column (table.scrollWidth > .md-content__inner's clientWidth);
 - a page wider than the screen, that scrolls sideways (documentElement.scrollWidth > its clientWidth).
+At 1280 px, besides:
+- a chapter page (index, NN_*.md) that is not a lesson's shape: its main path, folded blocks closed, taller
+  than LIMITS allow, its first figure too far down, or too long a stretch without a figure (main_path;
+  NOT_YET_LESSONS lists the pages not yet in shape, with their numbers);
+- a listing of the public site that shows an exercise's placeholder instead of its solution. The students'
+  site (MINIFSDP_SITE=student, the run's shared build of tests/conftest.py) must show only placeholders.
 Screenshots go to site-screenshots/, the directory a CI job keeps: on every run, the first screen of every
 page at each width (PAGE-WIDTH-top.jpg) and the whole of the pages in WHOLE_PAGES (PAGE-WIDTH.jpg); with
 MINIFSDP_SCREENSHOTS=1, every page whole: drawing them all, tens of thousands of px tall, would be most of
@@ -23,10 +29,11 @@ chunk, written by minifsdp/reports/style.py); any other PNG, such as a notebook'
 matplotlib's smallest default size, 10 pt. An SVG's is its smallest font-size (16 where its text sets none), times rendered width / its
 viewBox's width.
 
-Known failures. The pages listed in KNOWN are marked xfail(strict=False), element by element: the test
-raises KnownFailure (which the mark expects) when every failure is one listed, and fails outright on any
-failure not listed, on any page. A page that gets fixed simply passes; then remove its entry. Every run
-writes the lists as they stand to site-screenshots/known_failures.py, in the form they take here.
+Known failures. The pages listed in KNOWN (from FIGURES_TOO_SMALL, TABLES_TOO_WIDE and NOT_YET_LESSONS)
+are marked xfail(strict=False), element by element: the test raises KnownFailure (which the mark expects)
+when every failure is one listed, and fails outright on any failure not listed, on any page. A page that
+gets fixed simply passes; then remove its entry. Every run writes the lists as they stand to
+site-screenshots/known_failures.py, in the form they take here.
 """
 
 from __future__ import annotations
@@ -91,11 +98,55 @@ FIGURES_TOO_SMALL: dict[str, dict[int, set[str]]] = {}
 # Tables wider than the column, by their first two headers (" | x": the first one is empty).
 TABLES_TOO_WIDE: dict[str, dict[int, set[str]]] = {}
 
+# A chapter page is a lesson: at 1280 px, its folded blocks closed and its first tabs shown (main_path), its
+# main path is at most LIMITS["height"] px tall, its first figure starts within LIMITS["first_figure"] px of
+# the top, and no stretch of it (top to the first figure, figure to figure, the last to the end) runs over
+# LIMITS["largest_gap"] px without a figure. The chapter pages are index and the NN_*.md ones.
+LIMITS = {"height": 15_000, "first_figure": 2_500, "largest_gap": 4_000}
+
+# Chapter pages not yet in that shape, one line a page: what they measured last (main path, first figure,
+# largest gap, in px; None: no figure). The test passes a page over a limit that its line shows it over, and
+# fails it on any other. Once a page is within LIMITS, delete its line. `python tests/site_metrics.py` prints
+# the numbers; every run of this file writes this dict as it stands to site-screenshots/known_failures.py.
+NOT_YET_LESSONS: dict[str, tuple[int, int | None, int]] = {
+    # page            main path  1st figure  largest gap
+    "index":          (10_163,    3_692,      6_471),
+    "01_ddp":         (18_907,    2_275,      10_511),
+    "02_memory":      (10_257,    2_186,      5_890),
+    "03_zero1":       (22_545,    1_936,      17_026),
+    "04_zero2":       (18_026,    5_872,      9_444),
+    "09_training":    (19_062,    8_177,      10_885),
+    "11_fsdp2":       (21_540,    14_506,     14_506),
+    "13_calculator":  (3_651,     None,       3_651),
+}
+
+
+def _is_chapter(page_id: str) -> bool:
+    return page_id == "index" or re.match(r"\d\d_", page_id) is not None
+
+
+CHAPTERS = [(page_id, path) for page_id, path in PAGES if _is_chapter(page_id)]
+
+
+def _over_limits(height: int, first_figure: int | None, largest_gap: int) -> dict[str, str]:
+    """The limits a main path is over, each with why."""
+    out = {}
+    if height > LIMITS["height"]:
+        out["height"] = f"main path {height:,} px, over {LIMITS['height']:,}"
+    if first_figure is None or first_figure > LIMITS["first_figure"]:
+        where = "no figure" if first_figure is None else f"first figure at {first_figure:,} px"
+        out["first_figure"] = f"{where}, over {LIMITS['first_figure']:,}"
+    if largest_gap > LIMITS["largest_gap"]:
+        out["largest_gap"] = f"{largest_gap:,} px without a figure, over {LIMITS['largest_gap']:,}"
+    return out
+
+
 KNOWN: dict[tuple[str, str, int], set[str]] = {
     **{("figure_text", page, width): names
        for page, widths in FIGURES_TOO_SMALL.items() for width, names in widths.items()},
     **{("table_width", page, width): names
        for page, widths in TABLES_TOO_WIDE.items() for width, names in widths.items()},
+    **{("lesson", page, WIDTHS[0]): set(_over_limits(*numbers)) for page, numbers in NOT_YET_LESSONS.items()},
 }
 
 
@@ -111,6 +162,17 @@ def _cases(check: str):
             marks = [pytest.mark.xfail(raises=KnownFailure, strict=False,
                                        reason=f"known: {', '.join(sorted(known))}")] if known else []
             out.append(pytest.param(page_id, path, width, marks=marks, id=f"{width}-{page_id}"))
+    return out
+
+
+def _chapter_cases(check: str):
+    """Each chapter page at 1280 px, xfail where KNOWN lists it."""
+    out = []
+    for page_id, path in CHAPTERS:
+        known = KNOWN.get((check, page_id, WIDTHS[0]))
+        marks = [pytest.mark.xfail(raises=KnownFailure, strict=False,
+                                   reason=f"known: {', '.join(sorted(known))}")] if known else []
+        out.append(pytest.param(page_id, path, marks=marks, id=page_id))
     return out
 
 
@@ -222,12 +284,16 @@ MEASURE = r"""
     pre.querySelector(":scope > code") || pre, i]).map(([pre, code, i]) => ({  // material scrolls the <code>
     index: i, scrollWidth: code.scrollWidth, clientWidth: code.clientWidth,
     title: ((pre.closest(".highlight") || pre).querySelector(".filename") || {}).textContent || "",
-    first: (pre.textContent.split("\n").find(l => l.trim()) || "").trim().slice(0, 50)}));
+    first: (pre.textContent.split("\n").find(l => l.trim()) || "").trim().slice(0, 50),
+    // a student copy's raise in place of an exercise's solution (folded or not: textContent has it either way)
+    placeholder: (pre.textContent.match(/NotImplementedError\(\s*"Exercise \d+\.\d+:[^"]*"/) || [""])[0]}));
   const untypeset = [...document.querySelectorAll(".arithmatex")].filter(e => !e.querySelector(".katex")).length;
   // where each figure starts on the page, as a reader scrolls to it (folded blocks and hidden tabs are
   // closed: a figure inside one is not on the main path and has no box)
   const figureTops = [...document.querySelectorAll(".md-content__inner img")]
-    .filter(img => img.getClientRects().length).map(img => Math.round(img.getBoundingClientRect().top + scrollY));
+    .filter(img => img.getClientRects().length && !img.closest("details:not([open])") &&
+                   (!img.checkVisibility || img.checkVisibility()))
+    .map(img => Math.round(img.getBoundingClientRect().top + scrollY));
   return {height: document.documentElement.scrollHeight, column, images, tables, listings, untypeset, figureTops,
           formulas: document.querySelectorAll(".arithmatex").length,
           pageScrollWidth: document.documentElement.scrollWidth,
@@ -481,6 +547,16 @@ def _known_lists(out: dict[tuple[str, int], dict]) -> str:
                     text.append(line)
                 text.append("    },")
         text.append("}\n")
+    text.append("NOT_YET_LESSONS: dict[str, tuple[int, int | None, int]] = {")
+    text.append("    # page            main path  1st figure  largest gap")
+    for page_id, _ in CHAPTERS:
+        if (page_id, WIDTHS[0]) not in out:
+            continue
+        m = main_path(out[(page_id, WIDTHS[0])])
+        if _over_limits(m["height"], m["first_figure"], m["largest_gap"]):
+            height, first = f"{m['height']:_},", "None," if m["first_figure"] is None else f"{m['first_figure']:_},"
+            text.append(f"    {json.dumps(page_id) + ':':<17} ({height:<10} {first:<11} {m['largest_gap']:_}),")
+    text.append("}\n")
     return "\n".join(text)
 
 
@@ -516,15 +592,50 @@ def test_listings_fit_the_column_on_a_desktop(page_id, path, measured):
     _judge("listing_width", page_id, WIDTHS[0], _listing_failures(measured[(page_id, WIDTHS[0])]))
 
 
+@pytest.mark.parametrize("page_id, path", _chapter_cases("lesson"))
+def test_chapter_page_is_a_lesson(page_id, path, measured):
+    """At 1280 px, folded blocks closed: the main path within LIMITS["height"], a figure within the first
+    LIMITS["first_figure"] px, and no stretch over LIMITS["largest_gap"] px without one."""
+    m = main_path(measured[(page_id, WIDTHS[0])])
+    _judge("lesson", page_id, WIDTHS[0], _over_limits(m["height"], m["first_figure"], m["largest_gap"]))
+
+
+@pytest.mark.parametrize("page_id, path", PAGES, ids=[c[0] for c in PAGES])
+def test_public_listings_show_no_placeholder(page_id, path, measured):
+    """The public site shows each exercise's solution in its listing (chapters/hooks/solutions.py): no
+    listing, folded or not, holds a student copy's raise NotImplementedError("Exercise ...")."""
+    shown = {f"listing {c['index']}: {c['title'] or c['first']}": c["placeholder"]
+             for c in measured[(page_id, WIDTHS[0])]["listings"] if c["placeholder"]}
+    assert not shown, f"{page_id}: listings show a placeholder: {shown}"
+
+
+def test_student_site_shows_only_placeholders(site_build):
+    """The students' site (MINIFSDP_SITE=student; the run's shared build, tests/conftest.py): every listing
+    that includes an exercise shows its placeholder, and no line of a solution is on any page or in the
+    search index. tests/test_site_solutions.py checks both flavours listing by listing."""
+    solutions = importlib.import_module("test_site_solutions")
+    build = site_build("student")
+    assert build.returncode == 0, build.stdout[-3000:] + build.stderr[-3000:]
+    leaks = solutions._leaks(solutions._site_texts(build, search_index=True))
+    assert not leaks, "student site: solutions shown:\n" + "\n".join(leaks[:20])
+    missing = [f"{html}: {ex.id}" for ex in solutions.EXERCISES for html in solutions._shown_by(ex)
+               if not solutions.has_placeholder(ex, solutions.listings_text(build.page(html)))]
+    assert solutions.listings() and not missing, f"student site: listings without their placeholder: {missing}"
+
+
 def test_page_heights(measured, capsys):
-    """Each page's full height at 1280 px (in site-screenshots/measurements.json too): a table to read."""
-    rows = [(page_id, measured[(page_id, WIDTHS[0])]["height"], measured[(page_id, WIDTHS[1])]["height"])
+    """Each page as a reader meets it at 1280 px, folded blocks closed (main_path: its height, where its first
+    figure starts, how many figures it shows, its largest stretch without one), and its height at 390 px (in
+    site-screenshots/measurements.json too): a table to read."""
+    rows = [(page_id, main_path(measured[(page_id, WIDTHS[0])]), measured[(page_id, WIDTHS[1])]["height"])
             for page_id, _ in PAGES]
     with capsys.disabled():
-        print(f"\n{'page':<28} {'height @1280':>13} {'height @390':>12}")
-        for page_id, h1, h2 in rows:
-            print(f"{page_id:<28} {h1:>13,} {h2:>12,}")
-    assert all(h > 0 for _, h, _ in rows)
+        print(f"\n{'page':<28} {'height @1280':>13} {'1st figure':>11} {'figures':>8} {'largest gap':>12} "
+              f"{'height @390':>12}")
+        for page_id, m, h2 in rows:
+            first = "-" if m["first_figure"] is None else f"{m['first_figure']:,}"
+            print(f"{page_id:<28} {m['height']:>13,} {first:>11} {m['figures']:>8} {m['largest_gap']:>12,} {h2:>12,}")
+    assert all(m["height"] > 0 for _, m, _ in rows)
 
 
 def test_every_page_leaves_a_screenshot_and_some_are_whole(measured):

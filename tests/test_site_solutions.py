@@ -1,11 +1,13 @@
-"""The site does not give the exercises away: listings show the placeholder, solutions sit folded below them.
+"""The site shows each exercise as its flavour should: the public one the solution, marked; the students' the gap.
 
-chapters/hooks/solutions.py rewrites every listing that includes an exercise: the code between the markers
-becomes the line a student copy has there, and the solution follows the listing in a closed <details>
-block. MINIFSDP_SITE=student leaves the solutions out altogether, and a student copy (whose source holds
-only the placeholders) builds with nothing to fold. The two flavours of the real site are built once per
-test run (tests/conftest.py's site_build, shared with test_docs.py); the student copy gets a one-page site
-of its own, which is enough to show the hook copes with the placeholder form.
+chapters/hooks/solutions.py finds every listing that includes an exercise. On the public site the listing
+shows the source as it is, the solution's lines highlighted, and a line under the listing names the
+exercise and links to the course's table. MINIFSDP_SITE=student puts the student copy's placeholder in
+place of each solution (highlighted and named the same way), and no solution is anywhere on that site.
+A student copy's source holds only the placeholders: its site shows them, marked. The two flavours of the
+real site are built once per test run (tests/conftest.py's site_build, shared with test_docs.py and
+test_site_browser.py); the student copy gets a one-page site of its own, which is enough to show the hook
+copes with the placeholder form.
 """
 
 from __future__ import annotations
@@ -119,26 +121,50 @@ class Details:
 
 
 @dataclass
+class Listing:
+    text: str = ""          # all of its code
+    highlighted: str = ""   # the code of its highlighted lines (pymdownx.highlight's <span class="hll">)
+    folded: bool = False    # inside a <details> block
+
+
+@dataclass
+class Mark:
+    text: str = ""
+    links: list[str] = field(default_factory=list)
+
+
+@dataclass
 class PageText:
     outside: str = ""                 # all the text outside <details> elements
     details: list[Details] = field(default_factory=list)
-    listings: list[str] = field(default_factory=list)  # the text of each <pre> outside <details>
+    listings: list[Listing] = field(default_factory=list)  # each <pre>, folded or not
+    marks: list[Mark] = field(default_factory=list)  # each <span class="exercise-mark">: the line under a listing
 
 
 class _Reader(HTMLParser):
     def __init__(self):
         super().__init__(convert_charrefs=True)
         self.page, self.open, self.in_summary, self.in_pre = PageText(), [], False, 0
+        self.spans: list[str] = []  # the class of each <span> open inside a <pre> or a mark
+        self.mark: Mark | None = None
 
     def handle_starttag(self, tag, attrs):
-        if tag == "pre" and not self.open:
+        classes = (dict(attrs).get("class") or "").split()
+        if tag == "pre":
             self.in_pre += 1
             if self.in_pre == 1:
-                self.page.listings.append("")
+                self.page.listings.append(Listing(folded=bool(self.open)))
         elif tag == "details":
             self.open.append(Details(open=any(name == "open" for name, _ in attrs)))
         elif tag == "summary" and self.open:
             self.in_summary = True
+        elif tag == "span" and (self.in_pre or self.mark is not None or "exercise-mark" in classes):
+            if "exercise-mark" in classes and self.mark is None:
+                self.mark = Mark()
+                self.page.marks.append(self.mark)
+            self.spans.append(" ".join(classes))
+        elif tag == "a" and self.mark is not None:
+            self.mark.links.append(dict(attrs).get("href") or "")
 
     def handle_endtag(self, tag):
         if tag == "pre" and self.in_pre:
@@ -147,12 +173,20 @@ class _Reader(HTMLParser):
             self.page.details.append(self.open.pop())
         elif tag == "summary":
             self.in_summary = False
+        elif tag == "span" and self.spans:
+            if "exercise-mark" in self.spans.pop().split():
+                self.mark = None
 
     def handle_data(self, data):
+        if self.in_pre:
+            listing = self.page.listings[-1]
+            listing.text += data
+            if any("hll" in c.split() for c in self.spans):
+                listing.highlighted += data
+        if self.mark is not None:
+            self.mark.text += data
         if not self.open:
             self.page.outside += data
-            if self.in_pre:
-                self.page.listings[-1] += data
             return
         for details in self.open:  # nested ones count for every level
             details.text += data
@@ -170,13 +204,43 @@ def read(html: str) -> PageText:
 
 _UNSHOWN = re.compile(r"<(script|style)\b.*?</\1>", re.DOTALL)
 _TAG = re.compile(r"<[^>]+>")
+_PRE = re.compile(r"<pre\b.*?</pre>", re.DOTALL | re.IGNORECASE)
+PLACEHOLDER = re.compile(r'NotImplementedError\(\s*"Exercise \d+\.\d+:')  # any exercise's, in a listing
 
 
-def unfolded_text(html: str) -> str:
-    """The text a page shows outside <details> blocks; faster than read() on the big notebook pages."""
-    if "<details" in html:
-        return read(html).outside
+def page_text(html: str) -> str:
+    """All the text a page shows, folded or not; faster than read() on the big notebook pages."""
     return html_module.unescape(_TAG.sub("", _UNSHOWN.sub("", html)))
+
+
+def listings_text(html: str) -> str:
+    """The text of every <pre> of a page, folded or not."""
+    return "\n".join(html_module.unescape(_TAG.sub("", pre)) for pre in _PRE.findall(html))
+
+
+def _shown_by(ex) -> dict[str, list[str]]:
+    """Page -> the includes on it that show exercise `ex`."""
+    pages: dict[str, list[str]] = {}
+    for html, target in listings().get(ex.id, []):
+        pages.setdefault(html, []).append(target)
+    return pages
+
+
+@cache
+def _solution(ex) -> tuple[str, ...]:
+    """Every line of the exercise's solution, stripped."""
+    return tuple(line.strip() for line in ex.path.read_text(encoding="utf-8").splitlines()[ex.begin:ex.end - 1])
+
+
+def _times_shown(html: str, line: str) -> int:
+    """How many times a page's listings hold a solution's line: once for each time it is in the solution of
+    each exercise an include on the page shows (two exercises may share a line; one may hold it twice)."""
+    return sum(len(targets) * _solution(ex).count(line)
+               for ex in EXERCISES for page, targets in _shown_by(ex).items() if page == html)
+
+
+def _marks_of(page: PageText, ex) -> list[Mark]:
+    return [m for m in page.marks if re.search(rf"\bexercise {re.escape(ex.id)}\b", m.text)]
 
 
 # -- the tests ----------------------------------------------------------------------------------------------
@@ -204,35 +268,57 @@ def student(site_build):
 
 
 @pytest.mark.parametrize("ex", EXERCISES, ids=[ex.id for ex in EXERCISES])
-def test_public_site_folds_the_solution(public, ex):
-    pages = listings().get(ex.id)
+def test_public_site_shows_the_solution_marked(public, ex):
+    """Each include that shows the exercise shows its solution once, every line of it highlighted, and names
+    it under the listing, with the file's line numbers and a link to the course's table."""
+    pages = _shown_by(ex)
     if not pages:
         pytest.skip(f"no page includes the code of exercise {ex.id}")
-    wanted = solution_lines(ex)
-    for html, target in pages:
+    rel = ex.path.relative_to(REPO).as_posix()
+    for html, targets in pages.items():
         page = read(public.page(html))
-        assert has_placeholder(ex, page.outside), f"{html} (--8<-- {target}): the listing has no placeholder for {ex.id}"
-        leaked = [line for line in wanted if line in page.outside]
-        assert not leaked, f"{html} (--8<-- {target}): exercise {ex.id}'s solution shows outside <details>: {leaked}"
-        titled = [d for d in page.details if f"Solution: Exercise {ex.id} " in d.summary + " "]
-        assert titled, f"{html}: no <details> titled 'Solution: Exercise {ex.id}' under the listing"
-        assert all(not d.open for d in titled), f"{html}: exercise {ex.id}'s solution is open; it must start folded"
-        missing = [line for line in wanted if line not in titled[0].text]
-        assert not missing, f"{html}: the folded solution of {ex.id} lacks {missing}"
-        rel = ex.path.relative_to(REPO).as_posix()
-        assert rel in titled[0].text, f"{html}: the folded solution of {ex.id} does not name {rel}"
-        numbers = [n for n in range(ex.begin + 1, ex.end) if not re.search(rf"(?<!\d){n}(?!\d)", titled[0].text)]
-        assert not numbers, f"{html}: {ex.id}'s solution is not numbered as in {rel} (lines {numbers} missing)"
+        code = "\n".join(listing.text for listing in page.listings)
+        assert not has_placeholder(ex, code), f"{html}: a listing shows the placeholder of {ex.id}"
+        lines = [line.strip() for line in code.splitlines()]
+        highlighted = [line.strip() for listing in page.listings for line in listing.highlighted.splitlines()]
+        for line in solution_lines(ex):
+            times = _times_shown(html, line)
+            assert lines.count(line) == times, \
+                f"{html} ({targets}): exercise {ex.id}'s line {line!r} is shown {lines.count(line)} times, not {times}"
+            assert highlighted.count(line) == times, \
+                f"{html} ({targets}): exercise {ex.id}'s line {line!r} is not highlighted"
+        marks = _marks_of(page, ex)
+        assert len(marks) == len(targets), \
+            f"{html}: {len(marks)} lines name exercise {ex.id}, for {len(targets)} listings"
+        for mark in marks:
+            assert any(link.split("#")[-1] == "the-exercises" and "course" in link for link in mark.links), \
+                f"{html}: the line under exercise {ex.id}'s listing does not link to the course's table: {mark.links}"
+            assert f"lines {ex.begin + 1}–{ex.end - 1}" in mark.text, \
+                f"{html}: the line under exercise {ex.id}'s listing does not give {rel}'s lines: {mark.text!r}"
+        assert not [d for d in page.details if "Solution: Exercise" in d.summary], f"{html}: a folded solution block"
+
+
+def _site_listings(build) -> dict[str, str]:
+    """The text of every listing of every page of a built site, folded or not."""
+    return {p.relative_to(build.site).as_posix(): listings_text(p.read_text(encoding="utf-8"))
+            for p in sorted(build.site.rglob("*.html"))}
+
+
+def test_public_site_shows_no_placeholder(public):
+    """No listing of the public site, the notebooks' included, shows a student copy's raise."""
+    shown = {name: PLACEHOLDER.findall(text) for name, text in _site_listings(public).items()}
+    shown = {name: found for name, found in shown.items() if found}
+    assert not shown, f"public site: listings show placeholders: {shown}"
 
 
 def _site_texts(build, search_index: bool) -> dict[str, str]:
-    """What every page of a built site shows outside <details> blocks (and the search index's text)."""
-    texts = {p.relative_to(build.site).as_posix(): unfolded_text(p.read_text(encoding="utf-8"))
+    """What every page of a built site shows, folded or not (and the search index's text)."""
+    texts = {p.relative_to(build.site).as_posix(): page_text(p.read_text(encoding="utf-8"))
              for p in sorted(build.site.rglob("*.html"))}
     index = build.site / "search" / "search_index.json"
     if search_index and index.is_file():
         docs = json.loads(index.read_text(encoding="utf-8")).get("docs", [])
-        texts["search/search_index.json"] = "\n".join(unfolded_text(doc.get("text", "")) for doc in docs)
+        texts["search/search_index.json"] = "\n".join(page_text(doc.get("text", "")) for doc in docs)
     return texts
 
 
@@ -241,32 +327,38 @@ def _leaks(texts: dict[str, str]) -> list[str]:
             for name, text in texts.items() if line in text]
 
 
-def test_public_site_shows_no_solution_unfolded(public):
-    """No page (the notebooks' included) shows a solution outside a <details> block. (The search index
-    holds the folded solutions too: a reader searching for them may find them.)"""
-    leaks = _leaks(_site_texts(public, search_index=False))
-    assert not leaks, "public site: solutions shown unfolded:\n" + "\n".join(leaks[:20])
-
-
-def test_student_site_shows_no_solution(student):
+def test_student_site_shows_only_placeholders(student):
+    """No solution anywhere, the search index included; each listing that shows an exercise shows its
+    placeholder, highlighted, and names the exercise under it."""
     leaks = _leaks(_site_texts(student, search_index=True))
     assert not leaks, "student site: solutions shown:\n" + "\n".join(leaks[:20])
     for ex in EXERCISES:
-        for html, target in listings().get(ex.id, []):
+        for html, targets in _shown_by(ex).items():
             page = read(student.page(html))
-            assert has_placeholder(ex, page.outside), f"student site, {html} (--8<-- {target}): no placeholder"
+            highlighted = "\n".join(listing.highlighted for listing in page.listings)
+            assert len(re.findall(rf'NotImplementedError\(\s*{re.escape(json.dumps(str(ex), ensure_ascii=False))}\)',
+                                  highlighted)) == len(targets), \
+                f"student site, {html} ({targets}): {ex.id}'s placeholder is not shown, highlighted, once a listing"
+            assert len(_marks_of(page, ex)) == len(targets), f"student site, {html}: exercise {ex.id} is not named"
             assert not [d for d in page.details if "Solution: Exercise" in d.summary], \
                 f"student site, {html}: a solution block was left in"
 
 
+_BLOCK = re.compile(r"^[ \t]*# BEGIN EXERCISE .*?^[ \t]*# END EXERCISE[ \t]*$", re.MULTILINE | re.DOTALL)
+
+
 def test_public_and_student_listings_match(public, student):
-    """The student site's listings are the public one's, less the folded blocks."""
-    for html in sorted({html for pages in listings().values() for html, _ in pages}):
-        assert read(public.page(html)).listings == read(student.page(html)).listings, html
+    """The two flavours' listings differ only between an exercise's markers."""
+    pages = sorted({html for pages in listings().values() for html, _ in pages})
+    for html in pages:
+        ours, theirs = read(public.page(html)).listings, read(student.page(html)).listings
+        assert len(ours) == len(theirs), html
+        for a, b in zip(ours, theirs):
+            assert _BLOCK.sub("# the exercise", a.text) == _BLOCK.sub("# the exercise", b.text), html
 
 
-def test_a_student_copy_builds_with_nothing_to_fold(tmp_path):
-    """In a student copy the source already holds the placeholders: the hook folds nothing and fails on nothing."""
+def test_a_student_copy_builds_and_shows_its_placeholders(tmp_path):
+    """In a student copy the source already holds the placeholders: the hook marks them and fails on nothing."""
     skip_without_site_tools()
     copy = tmp_path / "copy"
     with redirect_stdout(StringIO()):
@@ -290,9 +382,11 @@ def test_a_student_copy_builds_with_nothing_to_fold(tmp_path):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     page = read((tmp_path / "site" / "index.html").read_text(encoding="utf-8"))
     assert not page.details, "a solution block in a student copy's site, where there is no solution"
+    highlighted = "\n".join(listing.highlighted for listing in page.listings)
     for ex in EXERCISES:
         if ex.id in listings():
-            assert has_placeholder(ex, page.outside), f"the student copy's listing has no placeholder for {ex.id}"
+            assert has_placeholder(ex, highlighted), f"the student copy's site does not highlight {ex.id}'s placeholder"
+            assert _marks_of(page, ex), f"the student copy's site does not name exercise {ex.id} under its listing"
             shown = [line for line in solution_lines(ex) if line in page.outside]
             assert not shown, f"the student copy's site shows exercise {ex.id}'s solution: {shown}"
 
@@ -315,6 +409,7 @@ def _hook_module():
     try:
         spec.loader.exec_module(module)
         module._SITE.exercises = module.load_solutions(REPO)
+        module._SITE.course_page = "course.md"
         yield module
     finally:
         sys.modules.pop(spec.name, None)
@@ -328,60 +423,101 @@ def _source_block(ex) -> list[str]:
     return ex.path.read_text(encoding="utf-8").splitlines()[ex.begin - 1:ex.end]
 
 
-def test_hook_folds_a_listing_and_adds_the_solution(hook):
+def _hl_lines(fence: str) -> set[int]:
+    """The line numbers a fence's hl_lines option names."""
+    spec = re.search(r'hl_lines="([^"]*)"', fence)
+    out = set()
+    for part in (spec.group(1).split() if spec else []):
+        first, _, last = part.partition("-")
+        out |= set(range(int(first), int(last or first) + 1))
+    return out
+
+
+def test_hook_marks_the_solution_in_the_public_flavour(hook):
     ex = EXERCISES[0]
-    page = hook.fold_page(_listing(ex, _source_block(ex)))
+    lines = _listing(ex, _source_block(ex))
+    page = hook.mark_page(lines, "06_fsdp.md")
+    fence = page[2]
+    assert fence.startswith('```python title="x.py"'), fence
+    body = page[3:page.index("```")]
+    assert body == lines[3:lines.index("```")], "the public listing is not the source as it is"
+    solution = range(3, 3 + ex.end - ex.begin - 1)  # after "def f(self):" and the BEGIN marker
+    assert _hl_lines(fence) == set(solution), (fence, ex.end - ex.begin - 1)
+    assert [body[n - 1].strip() for n in solution] == [line.strip() for line in _source_block(ex)[1:-1]]
     text = "\n".join(page)
-    assert has_placeholder(ex, text)
-    summary = f'??? success "Solution: Exercise {ex.id} — {ex.title}"'
-    assert summary in page, text
-    before, after = text.split(summary)
-    assert not [line for line in solution_lines(ex) if line in before], "the solution is still in the listing"
-    assert all(line in after for line in solution_lines(ex))
-    assert f'linenums="{ex.begin + 1}"' in after and ex.path.relative_to(REPO).as_posix() in after
+    assert not has_placeholder(ex, text)
+    label = [line for line in page if "exercise-mark" in line]
+    assert len(label) == 1 and f"[exercise {ex.id}](course.md#the-exercises)" in label[0], label
+    assert f"lines {ex.begin + 1}–{ex.end - 1} of `{ex.path.relative_to(REPO).as_posix()}`" in label[0], label
     assert page[-1] == "More text."
 
 
-def test_hook_leaves_solutions_out_of_the_student_flavour(hook):
+def test_hook_puts_placeholders_in_the_student_flavour(hook):
     ex = EXERCISES[0]
     hook._SITE.flavour = "student"
-    text = "\n".join(hook.fold_page(_listing(ex, _source_block(ex))))
+    page = hook.mark_page(_listing(ex, _source_block(ex)), "06_fsdp.md")
+    text = "\n".join(page)
     assert has_placeholder(ex, text) and "??? success" not in text
     assert not [line for line in solution_lines(ex) if line in text]
+    assert _hl_lines(page[2]) == {3, 4}, page[2]  # the placeholder's two lines
+    assert "NotImplementedError(" in page[3 + 2] and "exercise-mark" in text
 
 
+def test_hook_adds_to_hl_lines_counted_from_the_listings_first_line(hook):
+    """hl_lines counts from 1 whatever linenums says; the listing's own highlighted lines stay."""
+    ex = EXERCISES[0]
+    page = hook.mark_page(_listing(ex, _source_block(ex), info=' linenums="100" hl_lines="1"'))
+    assert 'linenums="100"' in page[2]
+    assert _hl_lines(page[2]) == {1, *range(3, 3 + ex.end - ex.begin - 1)}, page[2]
+
+
+@pytest.mark.parametrize("flavour", ["public", "student"])
 @pytest.mark.parametrize("form", ["markers kept", "markers replaced"])
-def test_hook_leaves_a_student_copys_listing_alone(hook, form):
-    """Both forms a student copy's block has had: the markers around the raise line, or the raise line alone."""
+def test_hook_shows_a_student_copys_listing_as_it_is(hook, form, flavour):
+    """Both forms a student copy's block has had: the markers around the raise, marked; the raise alone, as it is."""
+    hook._SITE.flavour = flavour
     ex = EXERCISES[0]
     block = strip_solutions("\n".join(_source_block(ex)) + "\n", only=ex.id).splitlines()
     if form == "markers replaced":
         block = [line for line in block if "EXERCISE" not in line]
     assert has_placeholder(ex, "\n".join(block))
     lines = _listing(ex, block)
-    assert hook.fold_page(lines) == lines
+    page = hook.mark_page(lines)
+    if form == "markers replaced":
+        assert page == lines
+        return
+    assert page[3:page.index("```")] == lines[3:lines.index("```")]
+    assert _hl_lines(page[2]) == {3, 4}, page[2]
+    assert any("exercise-mark" in line for line in page)
 
 
 def test_hook_leaves_a_listing_written_by_hand_alone(hook, caplog):
-    """The course page shows the convention with a real id and made-up code: not a solution, not folded."""
+    """The course page shows the convention with a real id and made-up code: neither a solution nor marked."""
     ex = EXERCISES[0]
     lines = _listing(ex, [f"# BEGIN EXERCISE {ex.id}: {ex.title}", "...the solution...", "# END EXERCISE"], info="")
     with caplog.at_level(logging.WARNING):
-        assert hook.fold_page(lines) == lines
+        assert hook.mark_page(lines) == lines
     assert not caplog.records
 
 
-def test_hook_warns_where_it_cannot_fold_correctly(hook, caplog):
-    """A stale copy in a listing titled with the exercise's file, half an exercise, renumbered lines: each
-    is a warning, which fails a --strict build."""
+def test_hook_warns_where_it_cannot_mark_correctly(hook, caplog):
+    """A stale copy in a listing titled with the exercise's file, half an exercise, and (in the student
+    flavour, where the placeholder shortens the listing) linenums: each is a warning, which fails a --strict
+    build. linenums in the public flavour, whose listing is the source as it is, is not."""
     ex = EXERCISES[0]
     rel = ex.path.relative_to(REPO).as_posix()
     block = _source_block(ex)
-    cases = {"not the file's": _listing(ex, [block[0], "    pass", block[-1]], info=f' title="{rel}"'),
-             "without its END": _listing(ex, block[:-1]),
-             "linenums": _listing(ex, block, info=' linenums="1"')}
-    for words, lines in cases.items():
+    cases = {("public", "not the file's"): _listing(ex, [block[0], "    pass", block[-1]], info=f' title="{rel}"'),
+             ("public", "without its END"): _listing(ex, block[:-1]),
+             ("public", "without its BEGIN"): _listing(ex, block[1:]),
+             ("student", "linenums"): _listing(ex, block, info=' linenums="1"'),
+             ("public", None): _listing(ex, block, info=' linenums="1"')}
+    for (flavour, words), lines in cases.items():
+        hook._SITE.flavour = flavour
         caplog.clear()
         with caplog.at_level(logging.WARNING):
-            hook.fold_page(lines)
-        assert any(words in record.getMessage() for record in caplog.records), words
+            hook.mark_page(lines)
+        if words is None:
+            assert not caplog.records, [r.getMessage() for r in caplog.records]
+        else:
+            assert any(words in record.getMessage() for record in caplog.records), (flavour, words)

@@ -12,6 +12,10 @@ header row is left alone; so are the code listings' line-number tables (they car
 two columns stays a table: it reads as well, and fits. A card table's style sets --card-label, the width of
 its column of labels: as wide as its longest label, within limits.
 
+On a desktop, a table that names files in code (`minifsdp/ddp/ddp.py`) is marked data-paths: css/tables.css
+keeps its code from breaking inside a word, so a path wraps after a slash, never as "minifsdp/ddp/d" over
+"dp.py" (material lets code break anywhere, and a table then squeezes such a column to a few letters).
+
 Figures. Each content image gets --min-legible, the narrowest width at which its smallest text is drawn at
 MIN_TEXT_PX CSS px (and a little more): for an SVG, its smallest font-size against its viewBox's width; for
 a PNG (the notebooks' plots, inlined as data: URIs), 10 pt (matplotlib's smallest default, or the size the
@@ -181,6 +185,24 @@ def label_tables(page_html: str) -> str:
     return page_html
 
 
+_CODE = re.compile(r"<code\b[^>]*>([^<]*)</code>", re.IGNORECASE)
+_PATH = re.compile(r"^[\w.-]+(?:/[\w.-]+)+\.\w+$")  # a file named with its directory: minifsdp/ddp/ddp.py
+
+
+def mark_path_tables(page_html: str) -> str:
+    """The page with data-paths on each outermost table whose code names a file by its path."""
+    inserts = []
+    for start, end, _ in _table_spans(page_html):
+        open_tag = page_html[start:page_html.index(">", start) + 1]
+        if "data-paths" in open_tag or re.search(r"""\bclass\s*=""", open_tag):
+            continue  # a code listing's line numbers, or a table styled on purpose
+        if any(_PATH.match(html.unescape(code).strip()) for code in _CODE.findall(page_html, start, end)):
+            inserts.append(start + len("<table"))
+    for at in sorted(inserts, reverse=True):
+        page_html = page_html[:at] + " data-paths" + page_html[at:]
+    return page_html
+
+
 # -- figures ---------------------------------------------------------------------------------------------------
 
 _IMG = re.compile(r"<img\b[^>]*>", re.IGNORECASE)
@@ -283,4 +305,4 @@ def size_figures(page_html: str, page_url: str, docs_dir: Path) -> str:
 def on_page_content(html_text, page, config, files, **kwargs):
     docs_dir = Path(config["docs_dir"])
     html_text = size_figures(html_text, page.url, docs_dir)
-    return label_tables(html_text)
+    return mark_path_tables(label_tables(html_text))

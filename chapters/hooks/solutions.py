@@ -1,38 +1,38 @@
-"""The site's exercise solutions, folded: a listing shows what a student sees, the solution sits under it, closed.
+"""The exercises in the site's listings: the public site shows each solution, marked; the students' shows the gap.
 
 The chapter pages include the real package source (pymdownx.snippets), and the source holds every
-exercise's solution between its two marker comments (minifsdp/course/student.py). Shown as it is, each
-listing would give the exercise away. So, in every code listing that holds an exercise block, this hook
+exercise's solution between its two marker comments (minifsdp/course/student.py). This hook finds those
+blocks in every code listing and marks them, in one of the site's two flavours, chosen by the environment
+variable MINIFSDP_SITE:
 
-- keeps the two marker comments and puts what a student copy has between them in place of the
-  solution, `raise NotImplementedError("Exercise 1.2: ...")` (over two lines);
-- adds, right after the listing, a collapsed block with the solution, its file and its line numbers:
+    python -m mkdocs build                          # public (the default): the code as it is, exercises marked
+    MINIFSDP_SITE=student python -m mkdocs build    # student (make docs-student): placeholders, no solutions
 
-      ??? success "Solution: Exercise 1.2 — average the bucket's gradients with an async all-reduce"
+- public: the listing shows the source as it is, the solution included. The solution's lines are
+  highlighted (pymdownx.highlight's hl_lines, counted from the listing's first line whatever its linenums
+  say; added to any hl_lines the listing sets), and a short line follows the listing:
 
-          ```python title="minifsdp/ddp/ddp.py" linenums="193"
-          bucket.flat = self._flatten(bucket)
-          ...
-          ```
+      Highlighted: exercise 6.1 — reduce-scatter the flat gradient, queue it, reshard
+      (lines 354–360 of minifsdp/fsdp/runtime.py)
 
-Listings without an exercise are left as they are.
+  with the exercise linked to the course's table of exercises (course.md#the-exercises).
+- student: between the two marker comments, what a student copy has there instead of the solution,
+  `raise NotImplementedError("Exercise 6.1: ...")` (over two lines), highlighted the same way, with the
+  same line after the listing. No solution is on the site, in a page or in the search index.
 
-The site comes in two flavours, chosen by the environment variable MINIFSDP_SITE:
-
-    python -m mkdocs build                          # public (the default): placeholders, solutions folded
-    MINIFSDP_SITE=student python -m mkdocs build    # student: placeholders, no solutions at all
-
-In a student copy (python -m minifsdp student) the source already has the placeholders, so both
-flavours show them and there is no solution to fold.
+In a student copy (python -m minifsdp student) the source already has the placeholders: both flavours show
+them, marked. Listings without an exercise are left as they are.
 
 How: snippets expands the includes while Markdown is converted, after mkdocs's page events, so the hook
 adds a Markdown preprocessor that runs right after it (snippets: priority 32; this one: 31.5; the fenced
 blocks are parsed at 25). It sees each listing as the page will show it, finds the marker lines, and
-compares the code between them with the source's solution (find_exercises says where each one is):
-only an exact copy of a solution is folded, so a listing written by hand to show the convention is left
-alone. A marker without its partner in a listing (a section that cuts an exercise in two), or a listing
-titled with an exercise's file whose code differs from the file's, is reported as a warning, which
-fails a --strict build.
+compares the code between them with the source's solution (find_exercises says where each one is): only
+an exact copy of a solution (or a student copy's placeholder) is marked, so a listing written by hand to
+show the convention is left alone. Reported as a warning, which fails a --strict build: a marker without
+its partner in a listing (a section that cuts an exercise in two: the part shown would be neither marked
+nor, in the students' site, taken out), a listing titled with an exercise's file whose code differs from
+the file's, and, in the student flavour, a listing with linenums that holds a solution (the placeholder
+is shorter than the solution, so the numbers after it would be wrong).
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ import importlib.util
 import json
 import logging
 import os
+import posixpath
 import re
 import sys
 from dataclasses import dataclass
@@ -53,6 +54,7 @@ from mkdocs.exceptions import PluginError
 FLAG = "MINIFSDP_SITE"
 FLAVOURS = ("public", "student")
 COURSE_MODULE = Path("minifsdp") / "course" / "student.py"
+COURSE_PAGE, COURSE_ANCHOR = "course.md", "the-exercises"  # the table of exercises, linked under each mark
 
 log = logging.getLogger("mkdocs.hooks.solutions")  # under "mkdocs": a warning fails a --strict build
 
@@ -61,7 +63,8 @@ _BEGIN = re.compile(r"^(?P<indent>[ \t]*)#\s*BEGIN\s+EXERCISE\s+(?P<id>\d+\.\d+)
 _END = re.compile(r"^(?P<indent>[ \t]*)#\s*END\s+EXERCISE\b")
 _TITLE = re.compile(r"""\btitle\s*=\s*(?:"([^"]*)"|'([^']*)')""")
 _LANG = re.compile(r"^\s*\{?\s*\.?(?P<lang>[\w+#.-]+)(?![\w+#.=-])")  # not an option's name (title=...)
-_RENUMBERED = re.compile(r"\b(linenums|hl_lines)\s*=")
+_LINENUMS = re.compile(r"\blinenums\s*=")
+_HL_LINES = re.compile(r"""\bhl_lines\s*=\s*(?:"([^"]*)"|'([^']*)')""")
 
 
 @dataclass(frozen=True)
@@ -79,6 +82,7 @@ class _Site:
     flavour: str = "public"
     root: Path = Path(".")
     exercises: dict[str, Solution] | None = None
+    course_page: str | None = None
 
 
 _SITE = _Site()
@@ -147,6 +151,16 @@ def load_solutions(root: Path) -> dict[str, Solution]:
 
 # -- the listings --------------------------------------------------------------------------------------------
 
+@dataclass(frozen=True)
+class Mark:
+    """One exercise block a listing shows: its lines there (1-based, counted from the listing's first line,
+    as hl_lines counts them), and whether they are the solution or a placeholder."""
+    solution: Solution
+    first: int
+    last: int
+    shows_solution: bool
+
+
 def _closing(lines: list[str], start: int, fence: str) -> int | None:
     """Index of the line that closes a fence opened with `fence` just before `start`, or None."""
     closing = re.compile(rf"^[ \t]*{re.escape(fence[0])}{{{len(fence)},}}[ \t]*$")
@@ -156,24 +170,59 @@ def _closing(lines: list[str], start: int, fence: str) -> int | None:
     return None
 
 
-def _solution_block(sol: Solution, indent: str, lang: str) -> list[str]:
-    inner = indent + "    "
-    longest = max([len(line) - len(line.lstrip("`")) for line in sol.code] + [2])
-    fence = "`" * (longest + 1)
-    title = f"Solution: Exercise {sol.id} — {sol.title}"
-    return (["", f'{indent}??? success "{title}"', "",
-             f'{inner}{fence}{lang} title="{sol.path}" linenums="{sol.first_line}"']
-            + [inner + line if line else "" for line in sol.code]
-            + [inner + fence, ""])
+def _ranges(numbers: list[int]) -> str:
+    """hl_lines' form of a set of line numbers: "3-9 12"."""
+    out, numbers = [], sorted(set(numbers))
+    while numbers:
+        first = last = numbers.pop(0)
+        while numbers and numbers[0] == last + 1:
+            last = numbers.pop(0)
+        out.append(str(first) if first == last else f"{first}-{last}")
+    return " ".join(out)
 
 
-def fold_listing(body: list[str], info: str, page: str = "") -> tuple[list[str], list[Solution]]:
-    """A listing's lines with each solution replaced by its placeholder, and the solutions taken out."""
+def _highlight(info: str, marks: list[Mark]) -> str:
+    """The fence's info string with the marked lines added to its hl_lines."""
+    lines = [n for m in marks for n in range(m.first, m.last + 1)]
+    if not lines:
+        return info
+    existing = _HL_LINES.search(info)
+    if existing:
+        for part in (existing.group(1) or existing.group(2) or "").split():
+            first, _, last = part.partition("-")
+            if first.isdigit() and (not last or last.isdigit()):
+                lines += range(int(first), int(last or first) + 1)
+        return info[:existing.start()] + f'hl_lines="{_ranges(lines)}"' + info[existing.end():]
+    option = f' hl_lines="{_ranges(lines)}"'
+    stripped = info.rstrip()
+    if stripped.endswith("}"):  # the attribute form: {.python title="..."}
+        return stripped[:-1].rstrip() + option + " }"
+    return stripped + option
+
+
+def _label(mark: Mark, indent: str, link: str | None, listing_title: str | None) -> list[str]:
+    """The line under a listing that names the exercise its highlighted lines are (and, where they are the
+    solution, the file's lines they are: the file where the listing's title does not name it)."""
+    sol = mark.solution
+    title = sol.title.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+    name = f"[exercise {sol.id}]({link})" if link else f"exercise {sol.id}"
+    if mark.shows_solution:
+        last = sol.first_line + len(sol.code) - 1
+        of = "" if listing_title == sol.path else f" of `{sol.path}`"
+        where = f" (lines {sol.first_line}–{last}{of})"
+    else:
+        where = ": yours to write"
+    return ["", f'{indent}<span class="exercise-mark">Highlighted: {name} — {title}{where}</span>', ""]
+
+
+def mark_listing(body: list[str], info: str, page: str = "") -> tuple[list[str], list[Mark]]:
+    """A listing's lines as the site's flavour shows them (in the student flavour each solution replaced by
+    its placeholder), and each exercise block it shows."""
     solutions = _SITE.exercises or {}
     title_match = _TITLE.search(info)
     title = (title_match.group(1) or title_match.group(2)) if title_match else None
     out: list[str] = []
-    taken: list[Solution] = []
+    marks: list[Mark] = []
     k = 0
     while k < len(body):
         line = body[k]
@@ -182,7 +231,8 @@ def fold_listing(body: list[str], info: str, page: str = "") -> tuple[list[str],
         if sol is None:
             if _END.match(line) and not any(_BEGIN.match(prev) for prev in body[:k]):
                 log.warning(f"{page}: a listing shows an END EXERCISE marker without its BEGIN: the section "
-                            f"cuts an exercise in two, and the part shown is not folded")
+                            f"cuts an exercise in two, and the part shown is neither marked nor left out of "
+                            f"the students' site")
             out.append(line)
             k += 1
             continue
@@ -190,35 +240,45 @@ def fold_listing(body: list[str], info: str, page: str = "") -> tuple[list[str],
         end = next((j for j in range(k + 1, len(body)) if _END.match(body[j]) or _BEGIN.match(body[j])), None)
         if end is None or not _END.match(body[end]):
             log.warning(f"{page}: a listing shows the BEGIN marker of exercise {sol.id} without its END: the "
-                        f"section cuts the exercise in two, and the part shown is not folded")
+                        f"section cuts the exercise in two, and the part shown is neither marked nor left out "
+                        f"of the students' site")
             out.append(line)
             k += 1
             continue
         code = _relative(body[k + 1:end], indent)
         while code and not code[-1]:
             code = code[:-1]
-        if _is_placeholder(code, sol.id) or not code:  # a student copy (or an empty block): nothing to fold
+        start = len(out) + 2  # the line after BEGIN, counted from 1
+        if code and _is_placeholder(code, sol.id):  # a student copy: the placeholder is what there is to show
             out.extend(body[k:end + 1])
-        elif code == sol.code:
-            out += [line, *(indent + p for p in sol.placeholder), body[end]]
-            taken.append(sol)
+            marks.append(Mark(sol, start, start + end - k - 2, shows_solution=False))
+        elif code and code == sol.code:
+            if _SITE.flavour == "public":
+                out.extend(body[k:end + 1])
+                marks.append(Mark(sol, start, start + len(code) - 1, shows_solution=True))
+            else:
+                out += [line, *(indent + p for p in sol.placeholder), body[end]]
+                marks.append(Mark(sol, start, start + len(sol.placeholder) - 1, shows_solution=False))
         else:  # written by hand (the course page shows the convention this way), or a stale copy
-            if title == sol.path:
+            if code and title == sol.path:
                 log.warning(f"{page}: the listing of {sol.path} shows exercise {sol.id} with code that is not "
-                            f"the file's, so it is not folded")
+                            f"the file's, so it is not marked")
             out.extend(body[k:end + 1])
         k = end + 1
-    if taken and _RENUMBERED.search(info):
-        log.warning(f"{page}: a listing with linenums or hl_lines holds exercise(s) "
-                    f"{', '.join(s.id for s in taken)}; their solutions are replaced by two lines, so the numbers "
-                    f"after it would be wrong: drop the option, or end the section before the exercise")
-    return out, taken
+    replaced = [m.solution.id for m in marks if not m.shows_solution and m.solution.code]
+    if replaced and _LINENUMS.search(info):
+        log.warning(f"{page}: a listing with linenums holds exercise(s) {', '.join(replaced)}; the student site "
+                    f"replaces each solution by its two-line placeholder, so the numbers after it would be "
+                    f"wrong: drop linenums, or end the section before the exercise")
+    return out, marks
 
 
-def fold_page(lines: list[str], page: str = "") -> list[str]:
-    """The page's Markdown (includes expanded) with every listing's exercises folded."""
+def mark_page(lines: list[str], page: str = "") -> list[str]:
+    """The page's Markdown (includes expanded) with every listing's exercises marked (and, in the student
+    flavour, their solutions replaced by placeholders)."""
     if not _SITE.exercises:
         return lines
+    link = _course_link(page)
     out: list[str] = []
     i = 0
     while i < len(lines):
@@ -231,26 +291,34 @@ def fold_page(lines: list[str], page: str = "") -> list[str]:
         if close is None:  # an unclosed fence runs to the end of the page
             out.extend(lines[i:])
             break
-        body, taken = fold_listing(lines[i + 1:close], opening["info"], page)
-        out += [lines[i], *body, lines[close]]
-        if _SITE.flavour == "public":
-            lang = m["lang"] if (m := _LANG.match(opening["info"])) else "python"  # every exercise is Python
-            for sol in taken:
-                out += _solution_block(sol, opening["indent"], lang)
+        body, marks = mark_listing(lines[i + 1:close], opening["info"], page)
+        info = _highlight(opening["info"], marks)
+        out += [opening["indent"] + opening["fence"] + info, *body, lines[close]]
+        title = _TITLE.search(opening["info"])
+        for mark in marks:
+            out += _label(mark, opening["indent"], link, title and (title.group(1) or title.group(2)))
         i = close + 1
     return out
 
 
-class _FoldSolutions(Preprocessor):
+def _course_link(page: str) -> str | None:
+    """The course's table of exercises, relative to `page` (None where the site has no course page)."""
+    if not _SITE.course_page:
+        return None
+    base = posixpath.dirname(page) or "."
+    return posixpath.relpath(_SITE.course_page, base) + "#" + COURSE_ANCHOR
+
+
+class _MarkExercises(Preprocessor):
     def __init__(self, md, page_name):
         super().__init__(md)
         self.page_name = page_name
 
     def run(self, lines: list[str]) -> list[str]:
-        return fold_page(lines, self.page_name())
+        return mark_page(lines, self.page_name())
 
 
-class FoldSolutionsExtension(Extension):
+class MarkExercisesExtension(Extension):
     """Runs after pymdownx.snippets (32), before the fenced blocks are taken out (superfences: 31.05, 25)."""
 
     def __init__(self, page_name=lambda: ""):
@@ -258,7 +326,7 @@ class FoldSolutionsExtension(Extension):
         self.page_name = page_name
 
     def extendMarkdown(self, md):
-        md.preprocessors.register(_FoldSolutions(md, self.page_name), "minifsdp_fold_solutions", 31.5)
+        md.preprocessors.register(_MarkExercises(md, self.page_name), "minifsdp_mark_exercises", 31.5)
 
 
 # -- the mkdocs events ---------------------------------------------------------------------------------------
@@ -273,14 +341,16 @@ def on_config(config):
     _SITE.flavour = flavour
     _SITE.root = Path(config.config_file_path).resolve().parent
     _SITE.exercises = load_solutions(_SITE.root)
-    if not any(isinstance(ext, FoldSolutionsExtension) for ext in config.markdown_extensions):
-        config.markdown_extensions.append(FoldSolutionsExtension(lambda: _current_page["name"]))
+    _SITE.course_page = COURSE_PAGE if (Path(config["docs_dir"]) / COURSE_PAGE).is_file() else None
+    if not any(isinstance(ext, MarkExercisesExtension) for ext in config.markdown_extensions):
+        config.markdown_extensions.append(MarkExercisesExtension(lambda: _current_page["name"]))
     log.info(f"site flavour: {flavour} ({FLAG}); "
              f"{sum(1 for s in _SITE.exercises.values() if s.code)} exercise solution(s) "
-             f"{'folded' if flavour == 'public' else 'left out'} where a listing shows them")
+             f"{'shown, highlighted' if flavour == 'public' else 'replaced by placeholders'} where a listing "
+             f"shows them")
     return config
 
 
 def on_page_markdown(markdown, page, **kwargs):
-    _current_page["name"] = page.file.src_uri  # for the warnings: the preprocessor does not know its page
+    _current_page["name"] = page.file.src_uri  # for the warnings and links: the preprocessor does not know its page
     return markdown
