@@ -298,7 +298,7 @@ def markdown(res: dict) -> str:
     order = sorted(names, key=lambda n: CONTENDERS[n][1])
     stages = sorted({CONTENDERS[n][1] for n in names})
     tabs = []
-    for n in res["world_sizes"]:
+    for n in sorted(res["world_sizes"], key=lambda n: (n == 1, n)):  # N = 1, where nothing is sharded, last
         at = [c for c in res["cases"] if c["n"] == n]
         body = []
         for title, key, fmt in (("Peak memory per rank, MB", "peaks", mb), ("Median step time, ms", "times", ms)):
