@@ -19,14 +19,15 @@ small tensors is slower than one of their concatenation):
              reduce-scatter                                               -> this rank's slot    (Ψ_m / N)
              each parameter's part of the slot is its sharded gradient (a view), as a DTensor
 
-Each copy costs a pass over the bytes. What it buys: the unsharded parameters are tensors of their own, not
-views into a buffer a collective may still be writing, so the buffer is freed right after the copy-out
-(no record_stream, chapter 8) and the memory is what the program says, not what the allocator's streams
-happen to allow.
+Each copy costs a pass over the bytes. What it buys: the unsharded parameters are tensors of their own, made
+on the compute stream, not views into the all-gather's buffer, so the buffer lives only from the all-gather to
+the copy-out and is freed right after it (on a GPU after a record_stream on the compute stream, chapter 7),
+not at the module's reshard.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -173,6 +174,9 @@ class FSDPParamGroup:
         # flight, into _all_gather_output), UNSHARDED
         self.state = ShardState.SHARDED
         self._all_gather_output = self._unshard_handle = None
+        # _set_unshard_async_op(True): the hooks' unshards issue their
+        # copy-in and all-gather from the compute stream
+        self.unshard_async_op = False
 
     @property
     def device(self) -> torch.device:
@@ -180,16 +184,20 @@ class FSDPParamGroup:
         return self.params[0].padded.device if self.params else torch.device("cpu")
 
     # --8<-- [start:unshard]
-    def unshard(self, async_op: bool = False) -> None:
+    def unshard(self, async_op: bool = False,
+                on_compute_stream: bool = False) -> None:
         """All-gather every parameter's shard in one collective. Copy-in: the padded
         shards end to end, into this rank's own slot of the output, so that no
-        separate input buffer is needed."""
+        separate input buffer is needed. On a GPU the copy-in and the all-gather
+        run on the all-gather stream (chapter 7), or, with on_compute_stream, are
+        issued from the compute stream (_set_unshard_async_op)."""
         if self.state is not ShardState.SHARDED or not self.params:
             return
         dtype = self.param_dtype or self.params[0].padded.dtype
         total = sum(p.padded_numel for p in self.params)
-        # (a GPU's: chapter 7)
-        with side_stream("all_gather", self.params[0].padded, after_compute=False):
+        with (contextlib.nullcontext() if on_compute_stream else
+              side_stream("all_gather", self.params[0].padded,
+                          after_compute=False)):
             out = self.params[0].padded.new_empty(total * self.world_size,
                                                   dtype=dtype)
             # in place: this rank's slot is the input
