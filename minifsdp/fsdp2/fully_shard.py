@@ -75,12 +75,9 @@ class FSDPModule:
         return UnshardHandle(self._fsdp.group) if async_op else None
 
     def _set_unshard_async_op(self, async_op: bool) -> None:
-        """True: the pre-forward and pre-backward unshards (and the prefetches)
-        of this module and every one under it issue their copy-in and all-gather
-        from the compute stream, whose memory pool then holds the buffers (no
-        memory split between streams). Nothing overlaps unless a module's
-        all-gather is issued before the compute it should hide under: explicit
-        prefetch (set_modules_to_forward_prefetch, unshard)."""
+        """True: the hooks' unshards (and prefetches) of this module and those
+        under it issue copy-in and all-gather from the compute stream. Overlap
+        then needs explicit prefetch (set_modules_to_forward_prefetch)."""
         for m in self.modules():
             if isinstance(m, FSDPModule):
                 m._fsdp.group.unshard_async_op = async_op

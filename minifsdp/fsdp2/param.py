@@ -62,6 +62,7 @@ class FSDPParam:
                 f"of {type(module).__name__} is 0-dim: give it shape (1,) "
                 f"(as torch's fully_shard)")
         self.shape, self.requires_grad = param.shape, param.requires_grad
+        # --8<-- [start:shard_rows]
         # BEGIN EXERCISE 11.1: this rank's Shard(0), padded to ceil(d0 / N) rows
         # every rank's padded number of rows: chunk 0's
         self.rows = -(-param.shape[0] // world_size)
@@ -77,6 +78,7 @@ class FSDPParam:
                                run_check=False, shape=self.shape,
                                stride=_contiguous_stride(self.shape)),
             requires_grad=self.requires_grad)
+        # --8<-- [end:shard_rows]
         # the nn.Parameter the module computes with between unshard and reshard
         self.unsharded = None
         # unsharded gradients added up while gradient sync is off
@@ -215,6 +217,7 @@ class FSDPParamGroup:
         if not async_op:
             self.wait_for_unshard()
 
+    # --8<-- [start:copy_out]
     def wait_for_unshard(self) -> None:
         """Copy-out: rank q's slot of the output holds its shard of every parameter,
         in order; parameter i's rows from every slot, stacked, are i's unsharded
@@ -241,6 +244,7 @@ class FSDPParamGroup:
         comm.release(out)
         self._all_gather_output = self._unshard_handle = None
         self.state = ShardState.UNSHARDED
+    # --8<-- [end:copy_out]
     # --8<-- [end:unshard]
 
     def reshard(self) -> None:

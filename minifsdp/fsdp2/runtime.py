@@ -38,9 +38,11 @@ if TYPE_CHECKING:  # (fully_shard.py imports this module)
     from minifsdp.fsdp2.fully_shard import MixedPrecisionPolicy
 
 
+# --8<-- [start:post_backward_fn]
 class _PostBackward(torch.autograd.Function):
-    """Wraps a module's inputs: its backward runs once their gradients are computed, that is once the
-    module's own backward is done, and all of its parameters' gradients are in."""
+    """Wraps a module's inputs: its backward runs once their gradients are
+    computed, that is once the module's own backward is done, and all of its
+    parameters' gradients are in."""
 
     @staticmethod
     def forward(ctx, state, *inputs):
@@ -51,6 +53,7 @@ class _PostBackward(torch.autograd.Function):
     def backward(ctx, *grads):
         ctx.state.post_backward()
         return (None,) + grads
+# --8<-- [end:post_backward_fn]
 
 
 class FSDPState:
@@ -73,6 +76,7 @@ class FSDPState:
         return self.root is not None and self.root.state is self
 
     # --8<-- [start:hooks]
+    # --8<-- [start:pre_forward]
     def pre_forward(self, module, args, kwargs):
         if self.root is None:  # the first forward: this module is the root
             self.root = RootState(self)
@@ -93,6 +97,7 @@ class FSDPState:
             self.root.forward_order.append(self)
             args, kwargs = _wrap_inputs(self, args, kwargs)
         return args, kwargs
+    # --8<-- [end:pre_forward]
 
     def post_forward(self, module, args, output):
         if self.training_state is TrainingState.FORWARD:
