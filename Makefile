@@ -19,7 +19,7 @@ diagrams:         ## draw the chapters' SVG diagrams (plain Python: chapters/dia
 	    chapters/figures/diagrams/backward_prefetch.svg chapters/figures/diagrams/mixed_precision.svg chapters/figures/diagrams/activation_checkpointing.svg \
 	    chapters/figures/diagrams/checkpoint_reshard.svg chapters/figures/diagrams/hsdp_mesh.svg chapters/figures/diagrams/tp_f_g.svg \
 	    chapters/figures/diagrams/pipeline_1f1b.svg \
-	    chapters/figures/diagrams/per_parameter_shards.svg chapters/figures/diagrams/class_swap.svg chapters/figures/diagrams/copy_in_out.svg chapters/figures/diagrams/unshard_async_op.svg
+	    chapters/figures/diagrams/training_step.svg chapters/figures/diagrams/accumulation_no_sync.svg chapters/figures/diagrams/clip_from_shards.svg chapters/figures/diagrams/deferred_init_memory.svg chapters/figures/diagrams/deferred_init_replay.svg chapters/figures/diagrams/per_parameter_shards.svg chapters/figures/diagrams/class_swap.svg chapters/figures/diagrams/copy_in_out.svg chapters/figures/diagrams/unshard_async_op.svg
 
 figures: diagrams ## regenerate every figure and table the chapters include
 	$(PY) -m minifsdp tour --world-size 2 --steps 5 --plot chapters/figures/tour_memory.svg --markdown chapters/generated/tour_ws2.md

@@ -274,6 +274,7 @@ class FSDPParamGroup:
         chunk q of every gradient in slot q."""
         if not grads:
             return
+        # --8<-- [start:reduce_copy_in]
         params = [p for p, _ in grads]
         n = self.world_size
         dtype = self.reduce_dtype or grads[0][1].dtype
@@ -300,6 +301,7 @@ class FSDPParamGroup:
                             tag=f"all_reduce {self.name}",
                             group=self.replicate_group)
         # END EXERCISE
+        # --8<-- [end:reduce_copy_in]
         offset = 0
         # this rank's slot holds its shard of every gradient, end to end
         for p in params:

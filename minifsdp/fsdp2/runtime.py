@@ -76,7 +76,6 @@ class FSDPState:
         return self.root is not None and self.root.state is self
 
     # --8<-- [start:hooks]
-    # --8<-- [start:pre_forward]
     def pre_forward(self, module, args, kwargs):
         if self.root is None:  # the first forward: this module is the root
             self.root = RootState(self)
@@ -97,7 +96,6 @@ class FSDPState:
             self.root.forward_order.append(self)
             args, kwargs = _wrap_inputs(self, args, kwargs)
         return args, kwargs
-    # --8<-- [end:pre_forward]
 
     def post_forward(self, module, args, output):
         if self.training_state is TrainingState.FORWARD:
