@@ -36,7 +36,8 @@ diagrams:         ## draw the chapters' SVG diagrams (plain Python: chapters/dia
 	    chapters/figures/diagrams/zero2_where_gradients_go.svg chapters/figures/diagrams/sdp_buckets.svg chapters/figures/diagrams/sdp_bucket_size.svg \
 	    chapters/figures/diagrams/road.svg \
 	    chapters/figures/diagrams/rank_memory.svg chapters/figures/diagrams/step_memory.svg chapters/figures/diagrams/launch_ranks.svg \
-	    chapters/figures/diagrams/memory_terms.svg
+	    chapters/figures/diagrams/memory_terms.svg \
+	    chapters/figures/diagrams/training_step.svg chapters/figures/diagrams/accumulation_no_sync.svg chapters/figures/diagrams/clip_from_shards.svg chapters/figures/diagrams/deferred_init_memory.svg chapters/figures/diagrams/deferred_init_replay.svg chapters/figures/diagrams/per_parameter_shards.svg chapters/figures/diagrams/class_swap.svg chapters/figures/diagrams/copy_in_out.svg chapters/figures/diagrams/unshard_async_op.svg
 
 figures: diagrams ## regenerate every figure and table the chapters include
 	$(PY) -m minifsdp tour --world-size 2 --steps 5 --plot-world-size 4 --plot chapters/figures/tour_memory.svg --markdown chapters/generated/tour_ws2.md

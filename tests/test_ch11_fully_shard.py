@@ -8,7 +8,8 @@ to zeros (set_to_none=False). Equal shards on every rank, cut alike, are equal f
 per entry is an all-gather each, which at N = 4 on two cores cost more than a training step.
 
 What runs once where it proved the same thing more than once:
-- minifsdp's variants. RAF, NRAF, explicit prefetch and model.unshard() decide when the all-gathers run; the
+- minifsdp's variants. RAF, NRAF, explicit prefetch, model.unshard() and _set_unshard_async_op(True) (with
+  explicit prefetch, as torch advises; on CPU ranks it changes no stream) decide when the all-gathers run; the
   optimizer steps the sharded DTensors after backward, where none of them is visible. So each model runs with
   both optimizers and with RAF and NRAF, and each (optimizer, RAF) pair on some model, but not every model with
   every pair; prefetch and unshard once per architecture. The frozen model (the uneven one with blocks[1].fc1
@@ -92,7 +93,7 @@ def ddp_atol(n, opt):
 # pair on some model; the docs' explicit prefetch and model.unshard() change when the all-gathers run, not
 # what they compute: one optimizer each, on the two architectures (see the module docstring)
 PARITY = [("gpt", "sgd", "raf"), ("gpt", "adamw", "raf"), ("gpt", "adamw", "nraf"),
-          ("gpt", "adamw", "prefetch"), ("gpt", "sgd", "unshard"),
+          ("gpt", "adamw", "prefetch"), ("gpt", "sgd", "unshard"), ("gpt", "adamw", "async_op"),
           ("uneven", "sgd", "nraf"), ("uneven", "adamw", "raf"), ("uneven", "sgd", "prefetch"),
           ("uneven", "adamw", "unshard"),
           ("frozen", "adamw", "nraf")]
@@ -235,6 +236,9 @@ def parity_run(impl, name, opt_name, variant):
     model = shard(MODELS[name](), impl, reshard_after_forward=variant != "nraf")
     if variant == "prefetch":  # the docs' way: prefetch lists, and the root's unshard() before each forward
         docs_prefetch(model, k=1 if name == "gpt" else 2)
+    if variant == "async_op":  # the hooks' unshards from the compute stream, with the explicit prefetch it needs
+        model._set_unshard_async_op(True)
+        docs_prefetch(model, k=1)
     opt = OPTIMIZERS[opt_name](model.parameters())
     unshard = model.unshard if variant in ("prefetch", "unshard") else None
     return train(model, name, opt, before_forward=unshard), shard_state(model)
@@ -409,6 +413,17 @@ def surface():
     out["resharded"] = isinstance(block.fc.weight, DTensor)
     out["sync_unshard_returns_none"] = block.unshard() is None
     block.reshard()
+    # _set_unshard_async_op reaches every fully_shard'ed module under the one it is called on, as torch's does
+    flags = {}
+    for impl, model in (("ours", ours), ("torch", theirs)):
+        model.blocks[0]._set_unshard_async_op(True)
+        groups = ([m._fsdp.group for m in [model, *model.blocks]] if impl == "ours"
+                  else [m._get_fsdp_state()._fsdp_param_group for m in [model, *model.blocks]])
+        flags[impl] = [g.unshard_async_op for g in groups]
+        model._set_unshard_async_op(True)
+        flags[impl] += [g.unshard_async_op for g in groups]
+    out["unshard_async_op"] = flags["ours"] == flags["torch"] == (
+        [False, True] + [False] * (len(ours.blocks) - 1) + [True] * (1 + len(ours.blocks)))
     out["zero_dim"] = raised(lambda: fully_shard(Gated()))
     out["twice"] = raised(lambda: fully_shard(fully_shard(nn.Linear(4, 4))))
     return out
@@ -603,7 +618,7 @@ def test_surface(ranks, n):
     for s in each_rank(ranks, n, "surface"):
         for key in ("names", "dtensors", "local_shards", "tied", "state_dict_keys", "state_dict_dtensors",
                     "fsdp_modules", "handle_has_wait", "unsharded_after_wait", "resharded",
-                    "sync_unshard_returns_none"):
+                    "sync_unshard_returns_none", "unshard_async_op"):
             assert s[key] is True, key
         assert s["state_dict_values"] == 0.0
         kind, message = s["zero_dim"]

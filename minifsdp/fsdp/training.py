@@ -123,6 +123,7 @@ def materialize(modules: list[nn.Module], param_init_fn, device: torch.device,
     Units are built innermost first and each shards its parameters right after,
     so a rank never holds more than one unit in full: a model larger than one
     rank's memory can be built."""
+    # --8<-- [start:materialize_core]
     # id(meta tensor) -> (meta tensor, its real replacement): a tied one is
     # replaced once
     fresh = {}
@@ -147,6 +148,7 @@ def materialize(modules: list[nn.Module], param_init_fn, device: torch.device,
     if broadcast:
         comm.broadcast_tensors([real for _, real in fresh.values()], src=0,
                                group=group)
+    # --8<-- [end:materialize_core]
 # --8<-- [end:materialize]
 
 
@@ -168,6 +170,7 @@ def no_sync(units: list):
             u.requires_gradient_sync = b
 
 
+# --8<-- [start:accumulate]
 def accumulate_unsharded(flat: FlatParameter, sync_gradients: bool) -> bool:
     """Inside no_sync(): keep the full gradient (True: nothing to send now).
     Outside: fold in what no_sync kept (False: send the sum)."""
@@ -184,6 +187,7 @@ def accumulate_unsharded(flat: FlatParameter, sync_gradients: bool) -> bool:
         flat.unsharded_grad = None
     return False
     # END EXERCISE
+# --8<-- [end:accumulate]
 # --8<-- [end:no_sync]
 
 

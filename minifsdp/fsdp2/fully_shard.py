@@ -61,9 +61,11 @@ class FSDPModule:
     """Mixed into the class of every module fully_shard has been applied to
     (PyTorch's FSDPModule)."""
 
+    # --8<-- [start:module_unshard]
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """All-gather this module's parameters now (e.g. before its forward, to
-        overlap with other work)."""
+        overlap with other work). async_op=True returns a handle at once; its
+        wait(), or the module's pre-forward, finishes the copy-out."""
         # before the first forward: take up parameters replaced since
         # (to_empty)
         if self._fsdp.root is None:
@@ -71,6 +73,15 @@ class FSDPModule:
                 p.refresh_sharded()
         self._fsdp.group.unshard(async_op=async_op)
         return UnshardHandle(self._fsdp.group) if async_op else None
+
+    def _set_unshard_async_op(self, async_op: bool) -> None:
+        """True: the hooks' unshards (and prefetches) of this module and those
+        under it issue copy-in and all-gather from the compute stream. Overlap
+        then needs explicit prefetch (set_modules_to_forward_prefetch)."""
+        for m in self.modules():
+            if isinstance(m, FSDPModule):
+                m._fsdp.group.unshard_async_op = async_op
+    # --8<-- [end:module_unshard]
 
     def reshard(self) -> None:
         self._fsdp.group.reshard()
@@ -161,10 +172,16 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool = T
 # --8<-- [end:fully_shard]
 
 
+# --8<-- [start:class_swap]
 def _fsdp_class(cls: type) -> type:
+    """The class a fully_shard'ed module is swapped to, one per original class:
+    FSDPModule first, so that its unshard, reshard and set_* are found before
+    any method of the same name on cls; forward, which FSDPModule does not
+    define, is still cls's."""
     if cls not in _classes:
         _classes[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
     return _classes[cls]
+# --8<-- [end:class_swap]
 
 
 def _world_mesh():

@@ -19,14 +19,15 @@ small tensors is slower than one of their concatenation):
              reduce-scatter                                               -> this rank's slot    (Ψ_m / N)
              each parameter's part of the slot is its sharded gradient (a view), as a DTensor
 
-Each copy costs a pass over the bytes. What it buys: the unsharded parameters are tensors of their own, not
-views into a buffer a collective may still be writing, so the buffer is freed right after the copy-out
-(no record_stream, chapter 8) and the memory is what the program says, not what the allocator's streams
-happen to allow.
+Each copy costs a pass over the bytes. What it buys: the unsharded parameters are tensors of their own, made
+on the compute stream, not views into the all-gather's buffer, so the buffer lives only from the all-gather to
+the copy-out and is freed right after it (on a GPU after a record_stream on the compute stream, chapter 7),
+not at the module's reshard.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -61,6 +62,7 @@ class FSDPParam:
                 f"of {type(module).__name__} is 0-dim: give it shape (1,) "
                 f"(as torch's fully_shard)")
         self.shape, self.requires_grad = param.shape, param.requires_grad
+        # --8<-- [start:shard_rows]
         # BEGIN EXERCISE 11.1: this rank's Shard(0), padded to ceil(d0 / N) rows
         # every rank's padded number of rows: chunk 0's
         self.rows = -(-param.shape[0] // world_size)
@@ -76,6 +78,7 @@ class FSDPParam:
                                run_check=False, shape=self.shape,
                                stride=_contiguous_stride(self.shape)),
             requires_grad=self.requires_grad)
+        # --8<-- [end:shard_rows]
         # the nn.Parameter the module computes with between unshard and reshard
         self.unsharded = None
         # unsharded gradients added up while gradient sync is off
@@ -173,6 +176,9 @@ class FSDPParamGroup:
         # flight, into _all_gather_output), UNSHARDED
         self.state = ShardState.SHARDED
         self._all_gather_output = self._unshard_handle = None
+        # _set_unshard_async_op(True): the hooks' unshards issue their
+        # copy-in and all-gather from the compute stream
+        self.unshard_async_op = False
 
     @property
     def device(self) -> torch.device:
@@ -180,16 +186,20 @@ class FSDPParamGroup:
         return self.params[0].padded.device if self.params else torch.device("cpu")
 
     # --8<-- [start:unshard]
-    def unshard(self, async_op: bool = False) -> None:
+    def unshard(self, async_op: bool = False,
+                on_compute_stream: bool = False) -> None:
         """All-gather every parameter's shard in one collective. Copy-in: the padded
         shards end to end, into this rank's own slot of the output, so that no
-        separate input buffer is needed."""
+        separate input buffer is needed. On a GPU the copy-in and the all-gather
+        run on the all-gather stream (chapter 7), or, with on_compute_stream, are
+        issued from the compute stream (_set_unshard_async_op)."""
         if self.state is not ShardState.SHARDED or not self.params:
             return
         dtype = self.param_dtype or self.params[0].padded.dtype
         total = sum(p.padded_numel for p in self.params)
-        # (a GPU's: chapter 7)
-        with side_stream("all_gather", self.params[0].padded, after_compute=False):
+        with (contextlib.nullcontext() if on_compute_stream else
+              side_stream("all_gather", self.params[0].padded,
+                          after_compute=False)):
             out = self.params[0].padded.new_empty(total * self.world_size,
                                                   dtype=dtype)
             # in place: this rank's slot is the input
@@ -207,6 +217,7 @@ class FSDPParamGroup:
         if not async_op:
             self.wait_for_unshard()
 
+    # --8<-- [start:copy_out]
     def wait_for_unshard(self) -> None:
         """Copy-out: rank q's slot of the output holds its shard of every parameter,
         in order; parameter i's rows from every slot, stacked, are i's unsharded
@@ -233,6 +244,7 @@ class FSDPParamGroup:
         comm.release(out)
         self._all_gather_output = self._unshard_handle = None
         self.state = ShardState.UNSHARDED
+    # --8<-- [end:copy_out]
     # --8<-- [end:unshard]
 
     def reshard(self) -> None:
@@ -262,6 +274,7 @@ class FSDPParamGroup:
         chunk q of every gradient in slot q."""
         if not grads:
             return
+        # --8<-- [start:reduce_copy_in]
         params = [p for p, _ in grads]
         n = self.world_size
         dtype = self.reduce_dtype or grads[0][1].dtype
@@ -288,6 +301,7 @@ class FSDPParamGroup:
                             tag=f"all_reduce {self.name}",
                             group=self.replicate_group)
         # END EXERCISE
+        # --8<-- [end:reduce_copy_in]
         offset = 0
         # this rank's slot holds its shard of every gradient, end to end
         for p in params:

@@ -38,9 +38,11 @@ if TYPE_CHECKING:  # (fully_shard.py imports this module)
     from minifsdp.fsdp2.fully_shard import MixedPrecisionPolicy
 
 
+# --8<-- [start:post_backward_fn]
 class _PostBackward(torch.autograd.Function):
-    """Wraps a module's inputs: its backward runs once their gradients are computed, that is once the
-    module's own backward is done, and all of its parameters' gradients are in."""
+    """Wraps a module's inputs: its backward runs once their gradients are
+    computed, that is once the module's own backward is done, and all of its
+    parameters' gradients are in."""
 
     @staticmethod
     def forward(ctx, state, *inputs):
@@ -51,6 +53,7 @@ class _PostBackward(torch.autograd.Function):
     def backward(ctx, *grads):
         ctx.state.post_backward()
         return (None,) + grads
+# --8<-- [end:post_backward_fn]
 
 
 class FSDPState:
@@ -81,10 +84,11 @@ class FSDPState:
         # (a forward recomputed inside backward keeps the backward's state)
         if self.training_state is TrainingState.IDLE:
             self.training_state = TrainingState.FORWARD
-        self.group.unshard()
+        self.group.unshard(on_compute_stream=self.group.unshard_async_op)
         self.group.wait_for_unshard()
         for s in self.forward_prefetch:
-            s.group.unshard(async_op=True)
+            s.group.unshard(async_op=True,
+                            on_compute_stream=s.group.unshard_async_op)
         if self.mp.param_dtype is not None and self.mp.cast_forward_inputs:
             args, kwargs = tree_map(lambda t: _cast(t, self.mp.param_dtype),
                                     (args, kwargs))
@@ -116,10 +120,11 @@ class FSDPState:
             return  # (once per backward: a later output's gradient)
         self.training_state = TrainingState.PRE_BACKWARD
         self.root.queue_finish_backward()
-        self.group.unshard()
+        self.group.unshard(on_compute_stream=self.group.unshard_async_op)
         self.group.wait_for_unshard()
         for s in self._backward_prefetch_targets():
-            s.group.unshard(async_op=True)
+            s.group.unshard(async_op=True,
+                            on_compute_stream=s.group.unshard_async_op)
 
     def _backward_prefetch_targets(self) -> list[FSDPState]:
         if self.backward_prefetch is not None:

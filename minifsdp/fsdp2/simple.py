@@ -47,6 +47,7 @@ def simple_fsdp(model: nn.Module, mesh: DeviceMesh | None = None) -> nn.Module:
     return model
 
 
+# --8<-- [start:simple_read]
 def _gathered(name: str):
     def read(module: nn.Module):
         # forward: all-gather; backward: reduce-scatter the averaged gradient
@@ -54,4 +55,5 @@ def _gathered(name: str):
             placements=[Replicate()]).to_local(
             grad_placements=[Partial("avg")])
     return read
+# --8<-- [end:simple_read]
 # --8<-- [end:simple]
