@@ -110,8 +110,6 @@ LIMITS = {"height": 15_000, "first_figure": 2_500, "largest_gap": 4_000}
 # the numbers; every run of this file writes this dict as it stands to site-screenshots/known_failures.py.
 NOT_YET_LESSONS: dict[str, tuple[int, int | None, int]] = {
     # page            main path  1st figure  largest gap
-    "09_training":    (19_062,    8_177,      10_885),
-    "11_fsdp2":       (21_540,    14_506,     14_506),
 }
 
 
