@@ -5,22 +5,18 @@ model's. The page's road reaches every chapter, and the manual it moved out of t
 comes right after it in the site's navigation.
 """
 
-import importlib.util
 import re
-import sys
 from pathlib import Path
 
 from minifsdp.measure import analytic
+from diagram_modules import diagram_module
 
 REPO = Path(__file__).resolve().parents[1]
 CHAPTERS = REPO / "chapters"
 
 
 def _road():
-    """chapters/diagrams/ch00_landing.py, found as make_diagrams.py finds it (its folder on the path)."""
-    spec = importlib.util.spec_from_file_location("make_diagrams", CHAPTERS / "diagrams" / "make_diagrams.py")
-    spec.loader.exec_module(importlib.util.module_from_spec(spec))
-    return sys.modules["ch00_landing"]
+    return diagram_module("ch00_landing")
 
 
 def test_the_road_draws_the_analytic_model_states():

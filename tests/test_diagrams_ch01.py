@@ -9,10 +9,7 @@
 - ddp_no_sync: a backward whose forward ran inside no_sync() all-reduces nothing, the next one every bucket.
 """
 
-import importlib
-import sys
 import types
-from pathlib import Path
 
 import pytest
 
@@ -20,11 +17,9 @@ torch = pytest.importorskip("torch")
 
 from minifsdp import comm, launch  # noqa: E402
 from minifsdp.ddp.ddp import DistributedDataParallel  # noqa: E402
+from diagram_modules import diagram_module  # noqa: E402
 
-DIAGRAMS = Path(__file__).resolve().parents[1] / "chapters" / "diagrams"
-if str(DIAGRAMS) not in sys.path:
-    sys.path.insert(0, str(DIAGRAMS))
-ch01 = importlib.import_module("ch01_ddp")
+ch01 = diagram_module("ch01_ddp")
 
 
 def _collectives():

@@ -1,20 +1,13 @@
 """Chapter 2's picture of one rank's memory (chapters/diagrams/ch02_memory.py): the bytes it draws per
 parameter for each model state are the analytic model's, in fp32 and in mixed precision."""
 
-import importlib.util
-import sys
-from pathlib import Path
 
 from minifsdp.measure import analytic
-
-DIAGRAMS = Path(__file__).resolve().parents[1] / "chapters" / "diagrams"
+from diagram_modules import diagram_module
 
 
 def _module():
-    """chapters/diagrams/ch02_memory.py, found as make_diagrams.py finds it (its folder on the path)."""
-    spec = importlib.util.spec_from_file_location("make_diagrams", DIAGRAMS / "make_diagrams.py")
-    spec.loader.exec_module(importlib.util.module_from_spec(spec))
-    return sys.modules["ch02_memory"]
+    return diagram_module("ch02_memory")
 
 
 def test_the_model_states_drawn_are_the_analytic_model_s():

@@ -6,9 +6,6 @@
 - flat_oss_step: the example's layout is minifsdp.zero.flat.flat_layout's.
 """
 
-import importlib
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -16,11 +13,9 @@ torch = pytest.importorskip("torch")
 
 from minifsdp.measure import analytic  # noqa: E402
 from minifsdp.zero.flat import flat_layout  # noqa: E402
+from diagram_modules import diagram_module  # noqa: E402
 
-DIAGRAMS = Path(__file__).resolve().parents[1] / "chapters" / "diagrams"
-if str(DIAGRAMS) not in sys.path:
-    sys.path.insert(0, str(DIAGRAMS))
-ch03 = importlib.import_module("ch03_oss")
+ch03 = diagram_module("ch03_oss")
 
 OPTIMIZERS = {"SGD(lr)": (torch.optim.SGD, {"lr": 0.1}),
               "SGD(lr, momentum=0.9)": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),

@@ -7,10 +7,7 @@
   are dear.
 """
 
-import importlib
-import sys
 import types
-from pathlib import Path
 
 import pytest
 
@@ -19,11 +16,9 @@ torch = pytest.importorskip("torch")
 from minifsdp.zero.fairscale_compat import bucket_cap_mb_from  # noqa: E402
 from minifsdp.zero.oss import partition_parameters  # noqa: E402
 from minifsdp.zero.sdp import ShardedDataParallel  # noqa: E402
+from diagram_modules import diagram_module  # noqa: E402
 
-DIAGRAMS = Path(__file__).resolve().parents[1] / "chapters" / "diagrams"
-if str(DIAGRAMS) not in sys.path:
-    sys.path.insert(0, str(DIAGRAMS))
-ch04 = importlib.import_module("ch04_sdp")
+ch04 = diagram_module("ch04_sdp")
 
 
 def _layers():

@@ -9,8 +9,6 @@
 """
 
 import importlib
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -21,11 +19,9 @@ from minifsdp import comm, events, launch  # noqa: E402
 from minifsdp.fsdp import FullyShardedDataParallel as FSDP  # noqa: E402
 from minifsdp.fsdp import ModuleWrapPolicy, ShardingStrategy, SizeBasedWrapPolicy  # noqa: E402
 from minifsdp.models import Block, GPTConfig, TinyGPT  # noqa: E402
+from diagram_modules import diagram_module  # noqa: E402
 
-DIAGRAMS = Path(__file__).resolve().parents[1] / "chapters" / "diagrams"
-if str(DIAGRAMS) not in sys.path:
-    sys.path.insert(0, str(DIAGRAMS))
-ch06 = importlib.import_module("ch06_runtime")
+ch06 = diagram_module("ch06_runtime")
 
 
 # -- units and wrap policies --------------------------------------------------------------------------------------

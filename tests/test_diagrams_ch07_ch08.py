@@ -4,18 +4,16 @@ chapter 7 measures, a Block's modules in their flat order, the float formats aga
 names the pictures use. (tests/test_diagrams.py checks that the SVGs are what the script draws, and legible.)
 """
 
-import importlib
 import re
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from diagram_modules import diagram_module
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "chapters" / "diagrams"))
-ch07 = importlib.import_module("ch07_overlap")
-ch08 = importlib.import_module("ch08_precision")
+ch07 = diagram_module("ch07_overlap")
+ch08 = diagram_module("ch08_precision")
 
 
 # -- chapter 7 ----------------------------------------------------------------------------------------------------

@@ -1,25 +1,14 @@
 """Chapter 9's diagrams (chapters/diagrams/ch09_training.py): the deferred-init memory picture follows the rule
 tests/test_ch09_training.py holds the real peak to, and the names the pictures use are the code's."""
 
-import importlib.util
 import re
-import sys
 from pathlib import Path
+from diagram_modules import diagram_module
 
 REPO = Path(__file__).resolve().parents[1]
-DIAGRAMS = REPO / "chapters" / "diagrams"
 
 
-def _load():
-    if str(DIAGRAMS) not in sys.path:
-        sys.path.insert(0, str(DIAGRAMS))  # (the module draws with `from canvas import *`)
-    spec = importlib.util.spec_from_file_location("ch09_training", DIAGRAMS / "ch09_training.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-d = _load()
+d = diagram_module("ch09_training")
 
 
 def _peak(deferred):

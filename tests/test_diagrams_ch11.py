@@ -1,28 +1,17 @@
 """Chapter 11's diagrams (chapters/diagrams/ch11_fsdp2.py) draw what the package computes: the shards of the
 example module under the FlatParameter and under fully_shard, and the orders the overlap picture states."""
 
-import importlib.util
 import math
 import re
 from pathlib import Path
 
 import pytest
+from diagram_modules import diagram_module
 
 REPO = Path(__file__).resolve().parents[1]
-DIAGRAMS = REPO / "chapters" / "diagrams"
 
 
-def _load():
-    import sys
-    if str(DIAGRAMS) not in sys.path:
-        sys.path.insert(0, str(DIAGRAMS))  # (the module draws with `from canvas import *`)
-    spec = importlib.util.spec_from_file_location("ch11_fsdp2", DIAGRAMS / "ch11_fsdp2.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-d = _load()
+d = diagram_module("ch11_fsdp2")
 
 
 def test_the_flat_parameter_layout_is_flat_layout():

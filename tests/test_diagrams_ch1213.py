@@ -6,25 +6,15 @@ stages split_gpt makes, an all-reduce's time on the step-time model's cluster, t
 and the FSDP step with and without resharding after forward.
 """
 
-import importlib
 import math
-import sys
-from pathlib import Path
 
 import pytest
-
-REPO = Path(__file__).resolve().parents[1]
-DIAGRAMS = REPO / "chapters" / "diagrams"
+from diagram_modules import diagram_module
 
 
-def _module(name):
-    if str(DIAGRAMS) not in sys.path:
-        sys.path.insert(0, str(DIAGRAMS))
-    return importlib.import_module(name)
 
-
-ch12 = _module("ch12_parallel")
-ch13 = _module("ch13_scaling")
+ch12 = diagram_module("ch12_parallel")
+ch13 = diagram_module("ch13_scaling")
 
 
 # -- chapter 12 ---------------------------------------------------------------------------------------------------
