@@ -9,6 +9,7 @@ import re
 from pathlib import Path
 
 from minifsdp.measure import analytic
+
 from diagram_modules import diagram_module
 
 REPO = Path(__file__).resolve().parents[1]

@@ -17,6 +17,7 @@ torch = pytest.importorskip("torch")
 
 from minifsdp import comm, launch  # noqa: E402
 from minifsdp.ddp.ddp import DistributedDataParallel  # noqa: E402
+
 from diagram_modules import diagram_module  # noqa: E402
 
 ch01 = diagram_module("ch01_ddp")

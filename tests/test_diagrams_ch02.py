@@ -3,6 +3,7 @@ parameter for each model state are the analytic model's, in fp32 and in mixed pr
 
 
 from minifsdp.measure import analytic
+
 from diagram_modules import diagram_module
 
 

@@ -13,6 +13,7 @@ torch = pytest.importorskip("torch")
 
 from minifsdp.measure import analytic  # noqa: E402
 from minifsdp.zero.flat import flat_layout  # noqa: E402
+
 from diagram_modules import diagram_module  # noqa: E402
 
 ch03 = diagram_module("ch03_oss")

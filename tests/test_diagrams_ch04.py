@@ -16,6 +16,7 @@ torch = pytest.importorskip("torch")
 from minifsdp.zero.fairscale_compat import bucket_cap_mb_from  # noqa: E402
 from minifsdp.zero.oss import partition_parameters  # noqa: E402
 from minifsdp.zero.sdp import ShardedDataParallel  # noqa: E402
+
 from diagram_modules import diagram_module  # noqa: E402
 
 ch04 = diagram_module("ch04_sdp")

@@ -19,6 +19,7 @@ from minifsdp import comm, events, launch  # noqa: E402
 from minifsdp.fsdp import FullyShardedDataParallel as FSDP  # noqa: E402
 from minifsdp.fsdp import ModuleWrapPolicy, ShardingStrategy, SizeBasedWrapPolicy  # noqa: E402
 from minifsdp.models import Block, GPTConfig, TinyGPT  # noqa: E402
+
 from diagram_modules import diagram_module  # noqa: E402
 
 ch06 = diagram_module("ch06_runtime")

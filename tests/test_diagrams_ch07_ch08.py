@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from diagram_modules import diagram_module
 
 REPO = Path(__file__).resolve().parents[1]

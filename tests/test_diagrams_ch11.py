@@ -6,6 +6,7 @@ import re
 from pathlib import Path
 
 import pytest
+
 from diagram_modules import diagram_module
 
 REPO = Path(__file__).resolve().parents[1]

@@ -9,9 +9,8 @@ and the FSDP step with and without resharding after forward.
 import math
 
 import pytest
+
 from diagram_modules import diagram_module
-
-
 
 ch12 = diagram_module("ch12_parallel")
 ch13 = diagram_module("ch13_scaling")
