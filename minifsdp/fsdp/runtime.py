@@ -215,7 +215,6 @@ class FSDPUnit(nn.Module):
         return self.root_state.root is self
 
     # -- forward ------------------------------------------------------------------------------------------
-    # --8<-- [start:forward]
     # --8<-- [start:unshard_compute]
     def forward(self, *args, **kwargs):
         args, kwargs = self.pre_forward(args, kwargs)
@@ -225,7 +224,6 @@ class FSDPUnit(nn.Module):
         events.emit(events.COMPUTE_END, f"forward {self.unit_name}")
         return self.post_forward(out)
 
-    # --8<-- [start:pre_forward]
     def pre_forward(self, args, kwargs):
         """Unshard this unit (the root first prepares the step)."""
         if self.is_root:
@@ -237,7 +235,6 @@ class FSDPUnit(nn.Module):
         # ... and only now block, for it
         self._wait_for_unshard()
         return args, kwargs
-    # --8<-- [end:pre_forward]
     # --8<-- [end:unshard_compute]
 
     # --8<-- [start:post_forward]
@@ -270,7 +267,6 @@ class FSDPUnit(nn.Module):
                         lambda grad_outputs, flat=flat: self._before_concat(flat))
         return out
     # --8<-- [end:post_forward]
-    # --8<-- [end:forward]
 
     def _root_pre_forward(self, args, kwargs):
         """The root, before the step's forward: what holds for the whole step."""
