@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
@@ -118,6 +119,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("ids", nargs="*", help="exercises to check (all by default)")
     parser.add_argument("--quick", action="store_true", help="run only the tests CAUGHT_BY names")
     args = parser.parse_args(argv)
+    # The bypassed copies need no plugin but the grader's and pytest-timeout (passed with -p below): loading
+    # every installed one is slow, and a second registration of pytest-timeout is an error.
+    os.environ["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
     sys.path.insert(0, str(REPO))
     from minifsdp.course.grade import collect_reference
     from minifsdp.course.runner import plugin_dir
