@@ -22,9 +22,9 @@
     python -m minifsdp step-time [--models 7b 70b] [--nodes 1 8]          chapter 13: the alpha-beta step-time model
     python -m minifsdp simulate [--model 7b] [--world-size 1024]            chapter 13: rank 0 of N, on meta tensors
     python -m minifsdp demo [--world-size 3]                                all-reduce = reduce-scatter + all-gather
-    python -m minifsdp student OUT_DIR [--only 1.2] [--chapters 6,7]        a student copy, solutions removed
+    python -m minifsdp student OUT_DIR [--only 1.2] [--chapters 6,7] [--pass-line 60]   a student copy, solutions removed
     python -m minifsdp grade [PATH] [--reference REF] [--chapters 6,7]      score a submission on the course's tests
-                       [--json F] [--gradescope F] [--junit DIR] [--timeout S]
+                       [--json F] [--gradescope F] [--junit DIR] [--timeout S] [--pass-line P]
     python -m minifsdp grade-all DIR [--chapters 6,7] [--out grades]        every submission in DIR; summary.csv
 
 `minifsdp ...` (the console script) is the same. The tour also runs under torchrun:
@@ -194,6 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     student.add_argument("out_dir")
     student.add_argument("--only", default=None, help="remove just this exercise (e.g. 1.2)")
     student.add_argument("--chapters", default=None, help="remove just these chapters' exercises (e.g. 6,7)")
+    student.add_argument("--pass-line", type=float, default=None, help="the most points (of 100) an exercise "
+                         "scores when one of its mechanism tests fails; recorded in the copy (default: 60)")
 
     def grading_options(p: argparse.ArgumentParser) -> None:
         p.add_argument("--reference", default=None, help="the course project whose tests, configuration and "
@@ -202,6 +204,8 @@ def main(argv: list[str] | None = None) -> int:
                        "exercise keeps the reference's solution")
         p.add_argument("--timeout", type=float, default=None, help="seconds each chapter's tests may take "
                        "(default: 900)")
+        p.add_argument("--pass-line", type=float, default=None, help="the most points (of 100) an exercise scores "
+                       "when one of its mechanism tests fails (default: the student copy's, else 60)")
 
     grade = sub.add_parser("grade", help="score a submission chapter by chapter and exercise by exercise, on "
                                          "the reference's tests (only the code between the markers is graded)")
@@ -310,19 +314,22 @@ def main(argv: list[str] | None = None) -> int:
         try:
             # the project in this directory, else the one the running minifsdp comes from (an editable install)
             project = "." if Path("minifsdp", "__init__.py").is_file() else default_reference()
-            write_student_copy(project, args.out_dir, only=args.only, chapters=parse_chapters(args.chapters))
+            write_student_copy(project, args.out_dir, only=args.only, chapters=parse_chapters(args.chapters),
+                               pass_line=args.pass_line)
         except (FileExistsError, FileNotFoundError, ValueError) as e:
             print(f"minifsdp student: {e}", file=sys.stderr)
             return 2
     elif args.command in ("grade", "grade-all"):
+        from minifsdp.course.assignment import check_pass_line
         from minifsdp.course.grade import DEFAULT_TIMEOUT, grade, grade_all
         timeout = args.timeout or DEFAULT_TIMEOUT
         try:
+            line = None if args.pass_line is None else check_pass_line(args.pass_line)
             if args.command == "grade":
                 return grade(args.path, reference=args.reference, chapters=args.chapters, timeout=timeout,
-                             json_path=args.json, gradescope=args.gradescope, junit_dir=args.junit)
+                             json_path=args.json, gradescope=args.gradescope, junit_dir=args.junit, pass_line=line)
             return grade_all(args.directory, reference=args.reference, chapters=args.chapters, out=args.out,
-                             timeout=timeout)
+                             timeout=timeout, pass_line=line)
         except (FileNotFoundError, ValueError, RuntimeError) as e:
             print(f"minifsdp {args.command}: {e}", file=sys.stderr)
             return 2

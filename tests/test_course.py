@@ -31,6 +31,7 @@ import pytest
 
 from minifsdp.course import find_exercises, project_files, strip_solutions, write_student_copy
 from minifsdp.course import grade as grading
+from minifsdp.course.assignment import add_points, check_pass_line, exercise_points, pass_line_for
 from minifsdp.course.assemble import assemble, scan_regions
 from minifsdp.course.grade import chapter_test_files, collect_reference, grade_all, grade_submission
 from minifsdp.course.report import gradescope_results
@@ -289,9 +290,18 @@ def test_a_student_copy_knows_its_assignment_and_is_graded_against_the_course(tm
     shutil.move(src, tmp_path / "moved")
     with pytest.raises(FileNotFoundError, match="not on this machine.*--reference PATH"):
         grading.assignment_defaults(out, None, None)
+    assert pass_line_for(out, None) == 60 and pass_line_for(out, 75) == 75  # the grader's default, or as told
     (out / "assignment.json").write_text("{}")
     with pytest.raises(ValueError, match="not an assignment"):
         grading.assignment_defaults(out, None, None)
+    # the instructor's pass line travels with the copy; a bad one writes nothing
+    write_student_copy(src if src.exists() else tmp_path / "moved", tmp_path / "lined", chapters=[1], quiet=True,
+                       pass_line=45)
+    assert read_assignment(tmp_path / "lined")["pass_line"] == 45 and pass_line_for(tmp_path / "lined", None) == 45
+    assert pass_line_for(tmp_path / "lined", 80) == 80
+    with pytest.raises(ValueError, match="pass line"):
+        write_student_copy(tmp_path / "moved", tmp_path / "bad", chapters=[1], quiet=True, pass_line=120)
+    assert not (tmp_path / "bad").exists()
 
 
 def test_student_copy_refuses_a_non_empty_directory(tmp_path):
@@ -611,6 +621,31 @@ def test_a_wrong_solution_costs_points_in_its_own_exercise_only(fake, plugins, t
     assert result["chapters"][1]["failed"][0]["cause"] == "assert 6 == 12"
 
 
+def test_an_exercise_that_skips_its_mechanism_scores_at_most_the_pass_line(fake, plugins, tmp_path, bare):
+    """2 * x as a float: test_double passes (6.0 == 6), the mechanism test (the type kept) fails. Half the tests,
+    so 50 points where the line is above that, and the line where it is below."""
+    reference, _, collected = fake
+    sub = shutil.copytree(reference, tmp_path / "sub")
+    _solve(sub, "1.1", "return 2.0 * x")
+    result = grade_submission(sub, collected.restricted([1]), plugins, pass_line=40)
+    (ex,) = result["exercises"]
+    assert (ex["score"], ex["max"], ex["points"], ex["capped"]) == (1, 2, 40, True)
+    assert result["points"] == {"score": 40, "max": 100, "pass_line": 40}
+    assert add_points(result, 60)["exercises"][0]["points"] == 50 and not result["exercises"][0]["capped"]
+
+
+def test_the_pass_line_holds_a_right_valued_solution_that_skips_the_lesson():
+    # 6.1 waiting for its reduce-scatter at once: every value right, one mechanism test of 79 failed
+    row = {"score": 78, "max": 79, "mechanism": {"score": 12, "max": 13}}
+    assert exercise_points(row, 60) == (60, True) and exercise_points(row, 100) == (98.7, False)
+    assert exercise_points({**row, "mechanism": {"score": 13, "max": 13}}, 60) == (98.7, False)
+    assert exercise_points({**row, "score": 30}, 60) == (38.0, False)  # below the line: the tests decide
+    assert exercise_points({"score": 0, "max": 0, "mechanism": {"score": 0, "max": 0}}, 60) == (0.0, False)
+    for bad in (-1, 101, "half", None):
+        with pytest.raises(ValueError, match="pass line is a number of points from 0 to 100"):
+            check_pass_line(bad)
+
+
 @pytest.mark.parametrize("name", list(TAMPERING))
 def test_tampering_scores_what_an_untouched_copy_scores_and_is_listed(graded, name):
     scores = lambda result: {**_scores(result), "exercises": [e[:4] for e in _scores(result)["exercises"]]}  # noqa: E731
@@ -739,6 +774,12 @@ def check_result_json(result: dict) -> None:
         assert ex["chapter"] in result["chapters_graded"] and 0 <= ex["score"] <= ex["max"]
     _check_types(result["total"], {"score": int, "max": int}, "total")
     assert result["total"]["score"] == sum(c["score"] for c in result["chapters"])
+    _check_types(result["points"], {"score": (int, float), "max": int, "pass_line": (int, float)}, "points")
+    for ex in result["exercises"]:
+        _check_types(ex, {"points": (int, float), "capped": bool}, "exercise")
+        assert 0 <= ex["points"] <= 100
+    assert result["points"]["score"] == pytest.approx(sum(ex["points"] for ex in result["exercises"] if ex["max"]))
+    assert sum(c["points"]["max"] for c in result["chapters"]) == result["points"]["max"]
     for edit in result["edits_outside_exercises"]:
         _check_types(edit, {"path": str, "kind": str, "what": str}, "edit")
         assert edit["kind"] in {"changed", "missing", "added"}
@@ -774,10 +815,11 @@ def test_the_json_and_gradescope_results_validate(graded):
         check_result_json(graded[name])
         check_gradescope(gradescope_results(graded[name]))
     results = gradescope_results(graded["student"])
-    assert results["score"] == 3
+    assert results["score"] == 0 and results["extra_data"]["tests_passed"] == 3
     assert [(t["name"], t["score"], t["max_score"], t["status"]) for t in results["tests"]] == [
-        ("Exercise 1.1: twice x", 0, 2, "failed"), ("Chapter 1: tests of no single exercise", 2, 2, "passed"),
-        ("Exercise 2.1: twice twice x", 0, 1, "failed"), ("Chapter 2: tests of no single exercise", 1, 1, "passed")]
+        ("Exercise 1.1: twice x", 0, 100, "failed"), ("Chapter 1: tests of no single exercise", 0, 0, "passed"),
+        ("Exercise 2.1: twice twice x", 0, 100, "failed"), ("Chapter 2: tests of no single exercise", 0, 0, "passed")]
+    assert gradescope_results(graded["solved"])["score"] == 200
     assert "NotImplementedError: Exercise 1.1: twice x" in results["tests"][0]["output"]
     tampered = gradescope_results(graded["conftest hook"])
     assert "added conftest.py" in tampered["output"]
@@ -796,8 +838,10 @@ def test_the_command_line_writes_a_copy_grades_it_and_writes_every_format(fake, 
                  "--json", str(out / "r.json"), "--gradescope", str(out / "gs.json"),
                  "--junit", str(out / "junit")]) == 1
     table = capsys.readouterr().out
-    assert "chapter 1                                2/4    50%  2 failed" in table
-    assert "  1.1 twice x                            0/2     0%  mechanism 0/1" in table
+    assert "chapter 1                                2/4    50%     0/100  2 failed" in table
+    assert "  1.1 twice x                            0/2     0%     0/100  mechanism 0/1" in table
+    assert "at most 60 where one of its mechanism tests fails" in table
+    assert "chapter 1: 2/4 tests passed with all its exercises in place" in table
     assert "NotImplementedError: Exercise 1.1: twice x" in table
     check_result_json(json.loads((out / "r.json").read_text()))
     check_gradescope(json.loads((out / "gs.json").read_text()))
@@ -807,6 +851,8 @@ def test_the_command_line_writes_a_copy_grades_it_and_writes_every_format(fake, 
     assert "chapter(s) 9 have no tests" in capsys.readouterr().err
     assert main(["student", str(tmp_path / "other"), "--chapters", "one"]) == 2
     assert "--chapters takes chapter numbers" in capsys.readouterr().err
+    assert main(["grade", str(tmp_path / "copy"), "--reference", str(reference), "--pass-line", "150"]) == 2
+    assert "pass line is a number of points from 0 to 100" in capsys.readouterr().err
 
 
 def test_the_default_reference_is_the_running_packages_project(monkeypatch, tmp_path):
@@ -840,13 +886,15 @@ def test_grade_all_grades_a_class_and_survives_a_submission_that_breaks_the_grad
     with open(tmp_path / "grades/summary.csv", newline="") as f:
         rows = list(csv.DictReader(f))
     assert list(rows[0]) == ["submission", "chapter_1", "chapter_1_max", "chapter_2", "chapter_2_max",
-                             "exercise_1.1", "exercise_1.1_max", "exercise_2.1", "exercise_2.1_max",
-                             "total", "total_max", "edits_outside_exercises", "error"]
+                             "exercise_1.1", "exercise_1.1_max", "exercise_1.1_points", "exercise_2.1",
+                             "exercise_2.1_max", "exercise_2.1_points", "total", "total_max", "points",
+                             "edits_outside_exercises", "error"]
     assert [list(row.values()) for row in rows] == [
-        ["ada", "4", "4", "2", "2", "2", "2", "1", "1", "6", "6", "0", ""],
-        ["bob", "2", "4", "1", "2", "0", "2", "0", "1", "3", "6", "0", ""],
-        ["eve", "2", "4", "1", "2", "0", "2", "0", "1", "3", "6", "2", ""],
-        ["zed", "0", "4", "0", "2", "0", "2", "0", "1", "0", "6", "0", "OSError: unreadable submission"]]
+        ["ada", "4", "4", "2", "2", "2", "2", "100.0", "1", "1", "100.0", "6", "6", "200.0", "0", ""],
+        ["bob", "2", "4", "1", "2", "0", "2", "0.0", "0", "1", "0.0", "3", "6", "0.0", "0", ""],
+        ["eve", "2", "4", "1", "2", "0", "2", "0.0", "0", "1", "0.0", "3", "6", "0.0", "2", ""],
+        ["zed", "0", "4", "0", "2", "0", "2", "0", "0", "1", "0", "0", "6", "0", "0",
+         "OSError: unreadable submission"]]
     for name in ("ada", "bob", "eve"):
         check_result_json(json.loads((tmp_path / f"grades/{name}.json").read_text()))
     assert json.loads((tmp_path / "grades/zed.json").read_text())["error"] == "OSError: unreadable submission"

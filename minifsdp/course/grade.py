@@ -33,9 +33,9 @@ from pathlib import Path
 from typing import Iterable
 
 from minifsdp.course.assemble import Assembler
+from minifsdp.course.assignment import DEFAULT_PASS_LINE, add_points, assignment_defaults, pass_line_for
 from minifsdp.course.runner import PytestRun, plugin_dir, run_pytest
-from minifsdp.course.student import (ASSIGNMENT_FILE, PACKAGE, Exercise, copy_files, find_exercises, project_files,
-                                     read_assignment)
+from minifsdp.course.student import PACKAGE, Exercise, copy_files, find_exercises, project_files
 
 DEFAULT_TIMEOUT = 900.0  # seconds per chapter: the longest chapter takes a few minutes on two cores
 _CHAPTER_TEST = re.compile(r"test_ch(\d+)_\w*\.py")
@@ -65,30 +65,6 @@ def default_reference() -> Path:
         raise FileNotFoundError(f"the running {PACKAGE} ({root / PACKAGE}) is not inside a project with its "
                                 f"tests/; pass --reference with the course project (the one with the solutions)")
     return root
-
-
-def assignment_defaults(submission: str | Path, reference: str | Path | None,
-                        chapters: Iterable[int] | str | None) -> tuple[str | Path | None, Iterable[int] | str | None]:
-    """--reference and --chapters for a student copy, where not given: what its assignment says (the course
-    project it was made from, the chapters handed out). A copy is never its own reference: its tests and
-    conftest.py are the student's to edit."""
-    record = read_assignment(submission)
-    if record is None:
-        return reference, chapters
-    if reference is None:
-        course = Path(record["course"])
-        if not (course / PACKAGE).is_dir() or not (course / "tests").is_dir():
-            raise FileNotFoundError(
-                f"{Path(submission).resolve()} is a student copy of the course project at {course} (its "
-                f"{ASSIGNMENT_FILE} says so), which is not on this machine: grade it against the course's tests "
-                f"with --reference PATH")
-        reference = course
-    if Path(reference).resolve() == Path(submission).resolve():
-        raise ValueError(f"{Path(submission).resolve()} is a student copy and cannot be its own reference: its "
-                         f"tests would grade it. Pass --reference PATH, the course project")
-    if chapters is None and record["chapters"]:
-        chapters = record["chapters"]
-    return reference, chapters
 
 
 # -- what the reference asks ---------------------------------------------------------------------------------
@@ -280,8 +256,10 @@ def _for_the_chapter(test: str, marks: tuple[str, ...], chapter_outcome: dict, o
 
 
 def grade_submission(submission: str | Path, ref: Reference, plugins: Path, timeout: float = DEFAULT_TIMEOUT,
-                     junit_dir: str | Path | None = None, progress=None) -> dict:
-    """Grade one submission on the reference's tests; the result is what --json writes."""
+                     junit_dir: str | Path | None = None, progress=None,
+                     pass_line: float = DEFAULT_PASS_LINE) -> dict:
+    """Grade one submission on the reference's tests; the result is what --json writes. The points of each
+    exercise (points.py) are capped at `pass_line` where a mechanism test failed."""
     submission = Path(submission).resolve()
     if not submission.is_dir():
         raise FileNotFoundError(f"no submission at {submission}")
@@ -318,14 +296,14 @@ def grade_submission(submission: str | Path, ref: Reference, plugins: Path, time
     warnings = list(ref.warnings) + assembly.warnings
     warnings += [f"chapter {ex.chapter}'s exercise {ex.id} has no tests marked exercise(\"{ex.id}\"); only its "
                  f"chapter's score shows it" for ex, row in zip(graded, exercises) if row["max"] == 0]
-    return {
+    return add_points({
         "submission": str(submission), "reference": str(ref.root), "chapters_graded": list(chapters),
         "chapters": list(chapters.values()), "exercises": exercises,
         "total": {"score": sum(c["score"] for c in chapters.values()),
                   "max": sum(c["max"] for c in chapters.values())},
         "edits_outside_exercises": [{"path": e.path, "kind": e.kind, "what": e.what} for e in assembly.edits],
         "warnings": warnings, "seconds": round(time.monotonic() - started, 1),
-    }
+    }, pass_line)
 
 
 # -- the commands --------------------------------------------------------------------------------------------
@@ -338,15 +316,16 @@ def _write_json(path: str | Path, data: dict) -> None:
 def grade(submission: str | Path = ".", reference: str | Path | None = None,
           chapters: Iterable[int] | str | None = None, timeout: float = DEFAULT_TIMEOUT,
           json_path: str | Path | None = None, gradescope: str | Path | None = None,
-          junit_dir: str | Path | None = None) -> int:
+          junit_dir: str | Path | None = None, pass_line: float | None = None) -> int:
     """Grade one submission, print the table, write what was asked for; 0 if every test passed, else 1."""
     from minifsdp.course.report import gradescope_results, print_chapter_row, print_report, print_header
 
     reference, chapters = assignment_defaults(submission, reference, chapters)
+    pass_line = pass_line_for(submission, pass_line)
     with plugin_dir() as plugins:
         ref = collect_reference(reference, chapters, plugins, timeout)
         print_header(Path(submission).resolve(), ref)
-        result = grade_submission(submission, ref, plugins, timeout, junit_dir, progress=print_chapter_row)
+        result = grade_submission(submission, ref, plugins, timeout, junit_dir, print_chapter_row, pass_line)
     print_report(result)
     if json_path:
         _write_json(json_path, result)
@@ -358,7 +337,7 @@ def grade(submission: str | Path = ".", reference: str | Path | None = None,
 
 def grade_all(directory: str | Path, reference: str | Path | None = None,
               chapters: Iterable[int] | str | None = None, out: str | Path = "grades",
-              timeout: float = DEFAULT_TIMEOUT) -> int:
+              timeout: float = DEFAULT_TIMEOUT, pass_line: float | None = None) -> int:
     """Grade each immediate subdirectory of `directory` as one submission; write OUT/<name>.json and
     OUT/summary.csv. One submission that breaks the grader gets a row of zeros, never stops the class."""
     from minifsdp.course.report import summary_row, write_summary
@@ -376,7 +355,7 @@ def grade_all(directory: str | Path, reference: str | Path | None = None,
               f"(chapters {', '.join(map(str, ref.tests))})")
         for sub in submissions:
             try:
-                result = grade_submission(sub, ref, plugins, timeout)
+                result = grade_submission(sub, ref, plugins, timeout, pass_line=pass_line_for(sub, pass_line))
                 error = None
             except Exception as e:  # noqa: BLE001 -- any failure is this submission's row, not the class's end
                 result, error = None, f"{type(e).__name__}: {e}"
@@ -384,7 +363,7 @@ def grade_all(directory: str | Path, reference: str | Path | None = None,
             rows.append(summary_row(sub.name, ref, result, error))
             row = rows[-1]
             edits = row["edits_outside_exercises"]
-            print(f"  {sub.name:<30} {row['total']:>5}/{row['total_max']:<5}"
+            print(f"  {sub.name:<30} {row['total']:>5}/{row['total_max']:<5} tests, {row['points']:>7g} points"
                   + (f"  {edits} edit(s) outside the exercises" if edits else "")
                   + (f"  ERROR {error}" if error else ""), flush=True)
     write_summary(out / "summary.csv", rows)

@@ -23,13 +23,19 @@ def print_header(submission: Path, ref) -> None:
 
 
 def print_chapter_row(chapter: dict) -> None:
-    """While grading: one line as each chapter ends (a chapter can take minutes)."""
-    print(f"  chapter {chapter['chapter']}: {chapter['score']}/{chapter['max']} in {chapter['seconds']:.0f} s",
-          flush=True)
+    """While grading: one line as each chapter ends (a chapter can take minutes). Its failures are not final:
+    each exercise's failing tests run again with that exercise alone from the submission (grade.py)."""
+    again = "; the failures run again with each exercise alone" if chapter["failed"] else ""
+    print(f"  chapter {chapter['chapter']}: {chapter['score']}/{chapter['max']} tests passed with all its "
+          f"exercises in place, in {chapter['seconds']:.0f} s{again}", flush=True)
 
 
-def _row(label: str, score: int, most: int, notes: str = "") -> str:
-    return f"  {label:<34} {f'{score}/{most}':>9} {_percent(score, most):>6}  {notes}".rstrip()
+def _points(points: dict | None) -> str:
+    return f"{points['score']:g}/{points['max']}" if points and points["max"] else "-"
+
+
+def _row(label: str, score: int, most: int, points: str, notes: str = "") -> str:
+    return f"  {label:<34} {f'{score}/{most}':>9} {_percent(score, most):>6} {points:>9}  {notes}".rstrip()
 
 
 def _exercise_notes(ex: dict) -> str:
@@ -38,6 +44,8 @@ def _exercise_notes(ex: dict) -> str:
         notes.append(f"the placeholder was graded: {ex['note']}")
     if ex["mechanism"]["max"]:
         notes.append(f"mechanism {ex['mechanism']['score']}/{ex['mechanism']['max']}")
+    if ex.get("capped"):
+        notes.append("a mechanism test failed: held to the pass line")
     if not ex["max"]:
         notes.append("no tests marked with it")
     return "; ".join(notes)
@@ -69,16 +77,21 @@ def _print_causes(chapter: dict) -> None:
 
 def print_report(result: dict) -> None:
     print()
-    print(f"  {'chapter / exercise':<34} {'passed':>9} {'score':>6}")
+    print(f"  {'chapter / exercise':<34} {'tests':>9} {'':>6} {'points':>9}")
     for chapter in result["chapters"]:
-        print(_row(f"chapter {chapter['chapter']}", chapter["score"], chapter["max"], _chapter_notes(chapter)))
+        print(_row(f"chapter {chapter['chapter']}", chapter["score"], chapter["max"], _points(chapter.get("points")),
+                   _chapter_notes(chapter)))
         for ex in result["exercises"]:
             if ex["chapter"] == chapter["chapter"]:
                 label = f"  {ex['id']} {ex['title']}"
                 label = label if len(label) <= 34 else label[:33] + "…"
-                print(_row(label, ex["score"], ex["max"], _exercise_notes(ex)))
+                points = f"{ex['points']:g}/100" if "points" in ex and ex["max"] else "-"
+                print(_row(label, ex["score"], ex["max"], points, _exercise_notes(ex)))
     total = result["total"]
-    print(_row("total", total["score"], total["max"]))
+    print(_row("total", total["score"], total["max"], _points(result.get("points"))))
+    if result.get("points"):
+        print(f"\n  An exercise is worth 100 points: the share of its tests passed, but at most "
+              f"{result['points']['pass_line']:g} where one of its mechanism tests fails.")
 
     if result["edits_outside_exercises"]:
         print("\nEdits outside the exercise regions (ignored: the reference's version of these was graded):")
@@ -109,10 +122,12 @@ def _entry(name: str, score: int, most: int, output: str, number: str | None = N
 
 
 def gradescope_results(result: dict) -> dict:
-    """Gradescope's autograder results.json: one test entry per exercise, and one per chapter for the tests
-    that grade no single exercise. The top-level score (tests passed) is what Gradescope records."""
+    """Gradescope's autograder results.json: one test entry per exercise, worth its points (of 100), and one
+    per chapter, worth nothing, for the tests that grade no single exercise. The top-level score is the
+    exercises' points, what Gradescope records."""
     causes = {t["id"]: t["cause"] for c in result["chapters"] for t in c["failed"]}
     tagged = {t for ex in result["exercises"] for t in ex["tests"]}
+    line = result["points"]["pass_line"]
     tests = []
     for chapter in result["chapters"]:
         for ex in result["exercises"]:
@@ -120,27 +135,35 @@ def gradescope_results(result: dict) -> dict:
                 continue
             lines = [] if ex["from_submission"] else [
                 f"Your code for it was not found, so the placeholder was graded: {ex['note']}"]
+            lines.append(f"Tests passed: {ex['score']}/{ex['max']}")
             if ex["mechanism"]["max"]:
                 lines.append(f"Mechanism tests: {ex['mechanism']['score']}/{ex['mechanism']['max']} passed")
+            if ex["capped"]:
+                lines.append(f"A mechanism test failed: the points are held to the pass line, {line:g} of 100")
             lines += [f"FAILED {t}\n    {causes.get(t, '')}" for t in ex["failed"]]
-            tests.append(_entry(f"Exercise {ex['id']}: {ex['title']}", ex["score"], ex["max"], "\n".join(lines),
-                                ex["id"]))
+            tests.append(_entry(f"Exercise {ex['id']}: {ex['title']}", ex["points"], 100, "\n".join(lines), ex["id"]))
         others = [t for t in chapter["passed"] if t not in tagged]
         failed = [t for t in chapter["failed"] if t["id"] not in tagged]
         if others or failed:
             lines = [] if chapter["status"] == "ran" else [f"Chapter {chapter['chapter']}: {chapter['status']}"]
+            lines.append(f"Tests passed: {len(others)}/{len(others) + len(failed)} (worth no points: they check "
+                         f"the chapter's given code)")
             lines += [f"FAILED {t['id']}\n    {t['cause']}" for t in failed]
-            tests.append(_entry(f"Chapter {chapter['chapter']}: tests of no single exercise", len(others),
-                                len(others) + len(failed), "\n".join(lines)))
+            entry = _entry(f"Chapter {chapter['chapter']}: tests of no single exercise", 0, 0, "\n".join(lines))
+            entry["status"] = "passed" if not failed else "failed"
+            tests.append(entry)
 
     summary = [f"{c['score']}/{c['max']} tests passed in chapter {c['chapter']}" for c in result["chapters"]]
+    summary.append(f"An exercise is worth 100 points: the share of its tests passed, but at most {line:g} where one "
+                   f"of its mechanism tests fails.")
     if result["edits_outside_exercises"]:
         summary.append("Edits outside the exercise regions, not graded (the course's version was used):")
         summary += [f"  {e['kind']} {e['path']}" for e in result["edits_outside_exercises"]]
     summary += result["warnings"]
-    return {"score": result["total"]["score"], "execution_time": round(result["seconds"]),
+    return {"score": result["points"]["score"], "execution_time": round(result["seconds"]),
             "output": "\n".join(summary), "tests": tests,
-            "extra_data": {"max_score": result["total"]["max"], "chapters": result["chapters_graded"]}}
+            "extra_data": {"max_score": result["points"]["max"], "tests_passed": result["total"]["score"],
+                           "tests": result["total"]["max"], "chapters": result["chapters_graded"]}}
 
 
 # -- the class -----------------------------------------------------------------------------------------------
@@ -159,8 +182,10 @@ def summary_row(name: str, ref, result: dict | None, error: str | None) -> dict:
             most = sum(ex.id in t.exercises and t.skip is None for ts in ref.tests.values() for t in ts)
             row[f"exercise_{ex.id}"] = mine["score"] if mine else 0
             row[f"exercise_{ex.id}_max"] = mine["max"] if mine else most
+            row[f"exercise_{ex.id}_points"] = mine["points"] if mine else 0
     row["total"] = result["total"]["score"] if result else 0
     row["total_max"] = result["total"]["max"] if result else sum(map(ref.maximum, ref.tests))
+    row["points"] = result["points"]["score"] if result else 0
     row["edits_outside_exercises"] = len(result["edits_outside_exercises"]) if result else 0
     row["error"] = error or ""
     return row

@@ -283,14 +283,19 @@ def copy_files(src: Path, out: Path, files: Iterable[Path]) -> None:
 
 
 def write_student_copy(src_root: str | Path = ".", out_dir: str | Path = "student", only: str | None = None,
-                       chapters: Iterable[int] | None = None, quiet: bool = False) -> list[Exercise]:
+                       chapters: Iterable[int] | None = None, quiet: bool = False,
+                       pass_line: float | None = None) -> list[Exercise]:
     """Copy the project at `src_root` to `out_dir` with the exercise solutions removed; return those removed.
 
     only: remove just this exercise (e.g. "1.2"); chapters: just these chapters' exercises. The others
     stay solved. Refuses an `out_dir` that exists and is not empty: it may hold a student's work.
-    quiet: print nothing (else: what was removed, and where).
+    quiet: print nothing (else: what was removed, and where). pass_line: the most an exercise that skips its
+    mechanism scores (points.py), recorded in the copy's assignment; None leaves the grader's default.
     """
     src, out = Path(src_root).resolve(), Path(out_dir).resolve()
+    if pass_line is not None:
+        from minifsdp.course.assignment import check_pass_line  # it reads assignments: imported here, not at the top
+        pass_line = check_pass_line(pass_line)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise FileExistsError(f"{out} already exists and is not empty; a student copy is only ever written to "
                               f"a new or empty directory, so nobody's work is overwritten. Choose another "
@@ -333,7 +338,7 @@ def write_student_copy(src_root: str | Path = ".", out_dir: str | Path = "studen
         (out / rel).write_text(text, encoding="utf-8")
 
     gone_ids = {ex.id for ex, _ in removed}
-    write_assignment(out, src, [ex for ex in exercises if ex.id in gone_ids])
+    write_assignment(out, src, [ex for ex in exercises if ex.id in gone_ids], pass_line)
     if not quiet:
         print(f"Student copy of {src} written to {out}")
         print(f"{len(removed)} exercise(s) removed; each now raises NotImplementedError until it is written "
@@ -350,11 +355,14 @@ def write_student_copy(src_root: str | Path = ".", out_dir: str | Path = "studen
 ASSIGNMENT_FILE = "assignment.json"
 
 
-def write_assignment(out: Path, course: Path, handed_out: list[Exercise]) -> None:
+def write_assignment(out: Path, course: Path, handed_out: list[Exercise], pass_line: float | None = None) -> None:
     """The copy remembers its assignment: the exercises removed, their chapters, and the course project it was
-    made from, whose tests grade it (never the copy's own, which a student can edit)."""
+    made from, whose tests grade it (never the copy's own, which a student can edit); and the pass line, if the
+    instructor set one."""
     record = {"course": str(course), "exercises": [ex.id for ex in handed_out],
               "chapters": sorted({ex.chapter for ex in handed_out})}
+    if pass_line is not None:
+        record["pass_line"] = pass_line
     (out / ASSIGNMENT_FILE).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
 
 
@@ -365,8 +373,11 @@ def read_assignment(root: str | Path) -> dict | None:
         return None
     try:
         record = json.loads(path.read_text(encoding="utf-8"))
-        return {"course": str(record["course"]), "exercises": [str(e) for e in record["exercises"]],
+        read = {"course": str(record["course"]), "exercises": [str(e) for e in record["exercises"]],
                 "chapters": [int(c) for c in record["chapters"]]}
+        if "pass_line" in record:
+            read["pass_line"] = float(record["pass_line"])
+        return read
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(f"{path} is not an assignment this package wrote ({e}); pass --reference and "
                          f"--chapters to grade the copy") from e
