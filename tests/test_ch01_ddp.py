@@ -373,11 +373,11 @@ def test_buckets_are_few():
                     f"{name}: the {size:,} B of {key[0]} on {key[1]} fit the {cap:,} B cap, yet make {count} "
                     f"buckets, expected 1 (exercise 1.4): every bucket is one more call, with its fixed cost")
             else:
-                most = 2 * size / cap + 1
+                most = 2 * size / cap + 2  # about half full on average, whatever the first bucket's size
                 assert count <= most, (
                     f"{name}: the {size:,} B of {key[0]} on {key[1]} make {count} buckets, expected at most "
-                    f"{most:.1f}, half full on average (exercise 1.4): is a new bucket opened while the one "
-                    f"before still had room for the next parameter?")
+                    f"{most:.1f}, about half full on average (exercise 1.4): is a new bucket opened while the "
+                    f"one before still had room for the next parameter?")
 
 
 @pytest.mark.mechanism
