@@ -32,6 +32,7 @@ diagrams:         ## draw the chapters' SVG diagrams (plain Python: chapters/dia
 	    chapters/figures/diagrams/alpha_beta.svg chapters/figures/diagrams/two_level_network.svg chapters/figures/diagrams/nraf_step.svg chapters/figures/diagrams/published_errors.svg \
 	    chapters/figures/diagrams/ddp_naive_vs_overlap.svg chapters/figures/diagrams/four_collectives.svg \
 	    chapters/figures/diagrams/ddp_bucket_order.svg chapters/figures/diagrams/ddp_no_sync.svg \
+	    chapters/figures/diagrams/ddp_bucket_policy.svg \
 	    chapters/figures/diagrams/oss_step.svg chapters/figures/diagrams/oss_when_it_pays.svg chapters/figures/diagrams/flat_oss_step.svg \
 	    chapters/figures/diagrams/zero2_where_gradients_go.svg chapters/figures/diagrams/sdp_buckets.svg chapters/figures/diagrams/sdp_bucket_size.svg \
 	    chapters/figures/diagrams/road.svg \

@@ -7,6 +7,8 @@
   gradient after backward; the buckets go out during backward, and the step starts earlier).
 - ddp_bucket_order: DDP issues the buckets strictly in order, replayed through _launch_ready_buckets.
 - ddp_no_sync: a backward whose forward ran inside no_sync() all-reduces nothing, the next one every bucket.
+- ddp_bucket_policy: the toy model's gradients in the order backward produces them, and the buckets _pack
+  makes of them under the picture's cap.
 """
 
 import types
@@ -16,7 +18,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from minifsdp import comm, launch  # noqa: E402
-from minifsdp.ddp.ddp import DistributedDataParallel  # noqa: E402
+from minifsdp.ddp.ddp import DistributedDataParallel, _pack  # noqa: E402
+from minifsdp.models import ToyModel  # noqa: E402
 
 from diagram_modules import diagram_module  # noqa: E402
 
@@ -118,3 +121,18 @@ def test_no_sync_sends_nothing_then_every_bucket():
     counts, buckets = launch(_all_reduces_per_backward, world_size=2, device="cpu")[0]
     assert buckets == ch01.NO_SYNC_ALL_REDUCES[1]
     assert tuple(counts) == ch01.NO_SYNC_ALL_REDUCES
+
+
+def test_the_bucket_policy_is_the_toy_models_gradients_packed_by_pack():
+    model = ToyModel()
+    trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    arrival = trainable[::-1]  # the last layer first (the tied weight after both uses): backward's order
+    seen = []
+    for name, p in trainable:
+        p.register_post_accumulate_grad_hook(lambda _, name=name: seen.append(name))
+    model(torch.randn(4, 7)).sum().backward()
+    assert seen == [name for name, _ in arrival]
+    assert [(name, p.numel() * p.element_size()) for name, p in arrival] == list(ch01.POLICY_GRADIENTS)
+    index = {id(p): i for i, (_, p) in enumerate(arrival)}
+    buckets = _pack([p for _, p in arrival], ch01.POLICY_CAP)
+    assert [tuple(index[id(p)] for p in b) for b in buckets] == list(ch01.POLICY_BUCKETS)

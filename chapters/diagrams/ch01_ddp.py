@@ -239,4 +239,54 @@ def ddp_no_sync() -> Canvas:
     return c
 
 
-DIAGRAMS = (four_collectives, ddp_naive_vs_overlap, ddp_bucket_order, ddp_no_sync)
+# -- the bucket policy (exercise 1.4) ---------------------------------------------------------------------------------
+# The toy model's trainable gradients (minifsdp/models.py's ToyModel), in the order backward produces them, and
+# the buckets _pack makes of them under a cap of 2,048 B; tests/test_diagrams_ch01.py checks both against the
+# package, and tests/test_ch01_ddp.py uses the same model and cap.
+POLICY_GRADIENTS = (("head.weight", 68), ("out.bias", 68), ("out.weight", 1088), ("extra.bias", 64),
+                    ("extra.weight", 1024), ("tied.weight", 1024), ("inp.bias", 60), ("inp.weight", 420))
+POLICY_CAP = 2048
+POLICY_BUCKETS = ((0, 1, 2, 3), (4, 5), (6, 7))  # indices into POLICY_GRADIENTS, in launch order
+
+
+def ddp_bucket_policy() -> Canvas:
+    sizes = [b for _, b in POLICY_GRADIENTS]
+    total = sum(sizes)
+    bucket_bytes = [sum(sizes[i] for i in b) for b in POLICY_BUCKETS]
+    c = Canvas("ddp_bucket_policy", 202, "A bucket policy: the toy model's gradients under a 2,048 B cap",
+               f"The toy model's eight gradients, {total:,} bytes in all, drawn to scale in the order backward "
+               f"produces them: head.weight, out.bias, out.weight, extra.bias, extra.weight, tied.weight, inp.bias, "
+               f"inp.weight. Under a cap of {POLICY_CAP:,} bytes a policy with the exercise's properties cuts them "
+               f"into {len(POLICY_BUCKETS)} buckets of {', '.join(f'{b:,}' for b in bucket_bytes)} bytes, each of "
+               f"gradients that arrive one after another, each within the cap, each sent as soon as its last "
+               f"gradient is ready, so the first ones travel while backward still runs. A policy that ignores the "
+               f"cap makes one bucket of {total:,} bytes, sent only once backward has produced its last gradient.")
+    x0, width = 10, 660
+    scale = width / total
+    lefts = [x0 + sum(sizes[:i]) * scale for i in range(len(sizes) + 1)]
+    y = 22
+    c.text(x0, y, "gradients, in the order backward produces them (bytes to scale)", bold=True)
+    for i, (name, b) in enumerate(POLICY_GRADIENTS):
+        w = b * scale
+        label = name if text_width(name, MIN_FONT) < w - 6 else ""
+        c.box(lefts[i] + 0.5, y + 10, w - 1, 26, label, ORANGE, size=MIN_FONT)
+    y += 52
+    c.line(x0, y, x0 + POLICY_CAP * scale, y)
+    for x in (x0, x0 + POLICY_CAP * scale):
+        c.line(x, y - 5, x, y + 5)
+    c.text(x0 + POLICY_CAP * scale + 8, y + 5, f"the cap: {POLICY_CAP:,} B", size=MIN_FONT)
+    y += 26
+    c.text(x0, y, f"a policy with the properties: {len(POLICY_BUCKETS)} buckets, each sent at its last gradient",
+           bold=True)
+    for k, (b, nbytes) in enumerate(zip(POLICY_BUCKETS, bucket_bytes)):
+        a, z = lefts[b[0]], lefts[b[-1] + 1]
+        label = f"bucket {k} · {nbytes:,} B"
+        c.box(a + 0.5, y + 10, z - a - 1, 26, label if text_width(label, MIN_FONT) < z - a - 6 else f"{nbytes:,} B",
+              PURPLE, size=MIN_FONT)
+    y += 60
+    c.text(x0, y, "the cap ignored: one bucket, sent only with the last gradient", bold=True)
+    c.box(x0 + 0.5, y + 10, width - 1, 26, f"bucket 0 · {total:,} B", RED, size=MIN_FONT)
+    return c
+
+
+DIAGRAMS = (four_collectives, ddp_naive_vs_overlap, ddp_bucket_order, ddp_no_sync, ddp_bucket_policy)

@@ -329,21 +329,29 @@ def check_bucket_cap_mb(value, allow_none: bool = False) -> None:
                          f"got {value!r}")
 
 
-def _pack(params: list[nn.Parameter], cap_bytes: float) -> list[list[nn.Parameter]]:
-    """Cut `params`, in order, into groups of at most `cap_bytes` (at least one param each) and of one dtype
-    and device each, as torch's DDP buckets are: one flat tensor holds one dtype, and a bucket promoted to
-    a common dtype would average an fp32 gradient in fp64 (a bf16 one in fp32): other bits than torch's."""
+# --8<-- [start:pack]
+def _pack(params: list[nn.Parameter],
+          cap_bytes: float) -> list[list[nn.Parameter]]:
+    """The buckets: `params`, in the order their gradients are expected, cut
+    into groups of at most `cap_bytes` (a parameter larger than the cap alone)
+    and of one dtype and device each, as torch's DDP buckets are; returned in
+    the order they complete."""
+    # BEGIN EXERCISE 1.4: the bucket policy: parameters under a byte cap
     groups, open_group, size = [], {}, {}
     for p in params:
         key, nbytes = (p.dtype, p.device), p.numel() * p.element_size()
         if key not in open_group or size[key] + nbytes > cap_bytes:
-            open_group[key], size[key] = [], 0  # each dtype fills a group of its own
+            # each dtype fills a bucket of its own
+            open_group[key], size[key] = [], 0
             groups.append(open_group[key])
         open_group[key].append(p)
         size[key] += nbytes
-    # in the order they complete (by their last param): of one dtype, the order they were cut in
+    # in the order they complete, by their last parameter: of one dtype,
+    # the order they were cut in
     position = {id(p): i for i, p in enumerate(params)}
     return sorted(groups, key=lambda group: position[id(group[-1])])
+    # END EXERCISE
+# --8<-- [end:pack]
 
 
 def _params_reached_from(output) -> set:
