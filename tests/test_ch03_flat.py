@@ -157,12 +157,18 @@ def test_matches_torch_ddp(ranks, n, model, opt):
     for cap in CAPS[model]:
         for r in range(n):
             diff, same_losses = ranks[n][r]["parity"][(model, opt, cap)]
-            assert diff <= ATOL[n]
+            assert diff <= ATOL[n], (
+                f"rank {r} of {n}, {model} with {opt}, bucket_cap_mb={cap}: {diff:.3g} away from torch's DDP with "
+                f"a plain optimizer, allowed {ATOL[n]:g}. Is each slice's gradient the average (times 1/N) of "
+                f"that slice across the ranks, and are the stepped slices gathered back into every buffer? "
+                f"(exercise 3.3)")
             if ATOL[n] == 0.0:
-                assert same_losses
+                assert same_losses, f"rank {r} of {n}: the losses differ from torch's DDP's (exercise 3.3)"
             # every replica ends identical, though each rank built its model from a different seed
             final = ranks[n][r]["final"][(model, opt, cap)]
-            assert max_abs_diff(final, ranks[n][0]["final"][(model, opt, cap)]) == 0.0
+            spread = max_abs_diff(final, ranks[n][0]["final"][(model, opt, cap)])
+            assert spread == 0.0, (f"rank {r} ends {spread:.3g} away from rank 0's parameters: every replica "
+                                   f"must get every rank's stepped slice (exercise 3.3)")
     # the training really moved the weights, so equality means something
     assert max_abs_diff(ranks[n][0]["final"][(model, opt, None)], build_model(model, seed=0).state_dict()) > 1e-3
 
@@ -171,7 +177,9 @@ def test_matches_torch_ddp(ranks, n, model, opt):
 @pytest.mark.parametrize("n", WORLD_SIZES)
 def test_padding_stays_zero(ranks, n):
     for r in range(n):
-        assert all(ranks[n][r]["padding"].values())
+        dirty = [case for case, clean in ranks[n][r]["padding"].items() if not clean]
+        assert not dirty, (f"rank {r} of {n}: the padding of the flat buffers is no longer zero after training, in "
+                           f"{dirty}: does every slice of the buffer get the gathered values? (exercise 3.3)")
 
 
 @pytest.mark.exercise("3.3")
@@ -299,8 +307,16 @@ def measure(opt_name):
 def test_bytes_per_step_are_ddps_up_to_padding(ranks, n, opt):
     m = ranks[n][0]["measure"][opt]
     half = 4 * sum(m["padded"]) * (n - 1) / n  # each half of the all-reduce: padded bytes x (N-1)/N
-    assert m["bytes"] == {"reduce_scatter": half, "all_gather": half}
-    assert m["calls"] == {"reduce_scatter": len(m["padded"]), "all_gather": len(m["padded"])}
+    sent = ", ".join(f"{kind} {b:,.0f} B" for kind, b in sorted(m["bytes"].items())) or "nothing"
+    assert m["bytes"] == {"reduce_scatter": half, "all_gather": half}, (
+        f"at N = {n} one step sent {sent}; expected a reduce-scatter of {half:,.0f} B and an all-gather of "
+        f"{half:,.0f} B (the padded buckets, {sum(m['padded']):,} elements, times 4 B x (N-1)/N each): DDP's bytes. "
+        f"Is the gradient all-reduced and this rank's slice kept? That computes the same average for twice the "
+        f"bytes (exercise 3.3)")
+    buckets = len(m["padded"])
+    assert m["calls"] == {"reduce_scatter": buckets, "all_gather": buckets}, (
+        f"at N = {n} one step made {m['calls']} calls, expected one reduce-scatter and one all-gather per bucket "
+        f"({buckets} buckets) (exercise 3.3)")
     ddp = 2 * 4 * m["psi"] * (n - 1) / n
     assert ddp <= 2 * half <= ddp * 1.05  # DDP's 2Ψ(N-1)/N, plus the padding
 
@@ -315,14 +331,22 @@ def test_each_rank_holds_the_state_of_its_slice_only(ranks, n, opt):
         shard_elements = sum(m["padded"]) // n
         # SGD: a momentum buffer per slice; AdamW: exp_avg, exp_avg_sq, and a 4-byte step per slice
         expected = 4 * shard_elements if opt == "sgd" else 8 * shard_elements + 4 * len(m["padded"])
-        assert m["meter"]["optim"] == expected
+        assert m["meter"]["optim"] == expected, (
+            f"rank {r} of {n} holds {m['meter']['optim']:,} B of {opt} state, expected {expected:,} B, the state of "
+            f"its slice of each bucket ({shard_elements:,} elements): does the local optimizer step the slices "
+            f"(exercise 3.3)?")
         per_element = 4 if opt == "sgd" else 8  # ... that is 4Ψ/N or 8Ψ/N, plus the padding and the steps
         assert per_element * m["psi"] / n <= expected <= 1.05 * per_element * m["psi"] / n + 4 * len(m["padded"])
         # ZeRO-1 keeps the full gradients (4Ψ), and adds the reduced slice (4Ψ/N plus padding); the meter
         # counts both as gradients (the slice is the gradient of what the optimizer steps)
         assert m["full_grad_bytes"] == 4 * m["psi"]
-        assert m["shard_grad_bytes"] == 4 * shard_elements
-        assert m["meter"]["grads"] == m["full_grad_bytes"] + m["shard_grad_bytes"]
+        assert m["shard_grad_bytes"] == 4 * shard_elements, (
+            f"rank {r} of {n}: the slices' gradients hold {m['shard_grad_bytes']:,} B, expected "
+            f"{4 * shard_elements:,} B, one gradient the size of its slice per bucket (exercise 3.3)")
+        assert m["meter"]["grads"] == m["full_grad_bytes"] + m["shard_grad_bytes"], (
+            f"rank {r} of {n} holds {m['meter']['grads']:,} B of gradients after the step, expected the full "
+            f"{m['full_grad_bytes']:,} B plus the slices' {m['shard_grad_bytes']:,} B: is a full-size reduced copy "
+            f"kept alive behind the slice's gradient (exercise 3.3)?")
 
 
 # -- checkpoints ---------------------------------------------------------------------------------------------

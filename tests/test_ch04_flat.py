@@ -140,11 +140,15 @@ def ranks():
 def test_matches_torch_ddp(ranks, n, model, opt):
     for r in range(n):
         diff, same_losses = ranks[n][r]["parity"][(model, opt)]
-        assert diff <= ATOL[n]
+        assert diff <= ATOL[n], (
+            f"rank {r} of {n}, {model} with {opt}: {diff:.3g} away from torch's DDP with a plain optimizer, allowed "
+            f"{ATOL[n]:g}. Does each slice's gradient become the sum over the ranks of that slice, times 1/N, "
+            f"added to a gradient already there? (exercise 4.2)")
         if ATOL[n] == 0.0:
-            assert same_losses
+            assert same_losses, f"rank {r} of {n}: the losses differ from torch's DDP's (exercise 4.2)"
         # every replica ends identical, though each rank built its model from a different seed
-        assert max_abs_diff(ranks[n][r]["final"][(model, opt)], ranks[n][0]["final"][(model, opt)]) == 0.0
+        spread = max_abs_diff(ranks[n][r]["final"][(model, opt)], ranks[n][0]["final"][(model, opt)])
+        assert spread == 0.0, f"rank {r} ends {spread:.3g} away from rank 0's parameters (exercise 4.2)"
     assert max_abs_diff(ranks[n][0]["final"][(model, opt)], build_model(model, seed=0).state_dict()) > 1e-3
 
 
@@ -152,7 +156,10 @@ def test_matches_torch_ddp(ranks, n, model, opt):
 @pytest.mark.parametrize("n", WORLD_SIZES)
 def test_unused_params_do_not_hang_and_zero2_is_zero1_bit_for_bit(ranks, n):
     for r in range(n):
-        assert ranks[n][r]["zero1"] == {"sgd": 0.0, "adamw": 0.0}
+        diffs = ranks[n][r]["zero1"]
+        assert diffs == {"sgd": 0.0, "adamw": 0.0}, (
+            f"rank {r} of {n}: ZeRO-2 ends {diffs} away from the flat ZeRO-1 with the same buckets, where it must be "
+            f"bit-exact: the same reduce-scatter, only moved into backward (exercise 4.2)")
 
 
 # -- memory, communication, overlap -----------------------------------------------------------------------------
@@ -201,8 +208,16 @@ def measure():
 def test_bytes_per_step_are_ddps_up_to_padding(ranks, n):
     m = ranks[n][0]["measure"]
     half = 4 * sum(m["padded"]) * (n - 1) / n  # each half of the all-reduce: padded bytes x (N-1)/N
-    assert m["bytes"] == {"reduce_scatter": half, "all_gather": half}
-    assert m["calls"] == {"reduce_scatter": len(m["padded"]), "all_gather": len(m["padded"])}
+    sent = ", ".join(f"{kind} {b:,.0f} B" for kind, b in sorted(m["bytes"].items())) or "nothing"
+    assert m["bytes"] == {"reduce_scatter": half, "all_gather": half}, (
+        f"at N = {n} one step sent {sent}; expected a reduce-scatter of {half:,.0f} B in backward and an "
+        f"all-gather of {half:,.0f} B in the step (the padded buckets, {sum(m['padded']):,} elements, times "
+        f"4 B x (N-1)/N each). Is each bucket all-reduced and this rank's slice kept? The same average, for "
+        f"twice the bytes (exercise 4.2)")
+    buckets = len(m["padded"])
+    assert m["calls"] == {"reduce_scatter": buckets, "all_gather": buckets}, (
+        f"at N = {n} one step made {m['calls']} calls, expected one reduce-scatter and one all-gather per bucket "
+        f"({buckets} buckets) (exercise 4.2)")
     ddp = 2 * 4 * m["psi"] * (n - 1) / n
     assert ddp <= 2 * half <= 1.05 * ddp  # DDP's 2Ψ(N-1)/N, plus the padding
 
@@ -214,9 +229,18 @@ def test_each_rank_ends_backward_with_the_gradients_of_its_slice_only(ranks, n):
     for r in range(n):
         m = ranks[n][r]["measure"]
         shard_elements = sum(m["padded"]) // n
-        assert m["full_grads"] == []  # every full .grad was freed once its bucket was sent
-        assert m["shard_grad_bytes"] == 4 * shard_elements  # 4Ψ/N, plus the padding
-        assert m["after_backward"]["grads"] == m["shard_grad_bytes"]  # and nothing else: the full ones are gone
+        full = m["full_grads"]
+        assert full == [], (  # every full .grad was freed once its bucket was sent
+            f"rank {r} of {n} ends backward with the full gradients of {len(full)} parameters "
+            f"({', '.join(full[:3])}{' ...' if len(full) > 3 else ''}): each .grad must go once it is copied into "
+            f"the flat input of its bucket's reduce-scatter (exercise 4.2)")
+        assert m["shard_grad_bytes"] == 4 * shard_elements, (  # 4Ψ/N, plus the padding
+            f"rank {r} of {n}: the slices' gradients hold {m['shard_grad_bytes']:,} B, expected "
+            f"{4 * shard_elements:,} B, one gradient the size of this rank's slice per bucket (exercise 4.2)")
+        assert m["after_backward"]["grads"] == m["shard_grad_bytes"], (  # and nothing else: the full ones are gone
+            f"rank {r} of {n} holds {m['after_backward']['grads']:,} B of gradients after backward, expected only "
+            f"its slices' {m['shard_grad_bytes']:,} B: is a full-size flat input, or a full-size result with the "
+            f"slice cut out of it, still alive? (exercise 4.2)")
         assert 4 * m["psi"] / n <= m["shard_grad_bytes"] <= 1.05 * 4 * m["psi"] / n
         # and, as in ZeRO-1, the optimizer state of its slice only: exp_avg, exp_avg_sq, a step per slice
         assert m["after_step"]["optim"] == 8 * shard_elements + 4 * len(m["padded"])
@@ -228,7 +252,9 @@ def test_reduce_scatters_start_during_backward(ranks):
     # the first bucket (the last layers) went out before backward reached the embedding
     for n in WORLD_SIZES:
         assert len(ranks[n][0]["measure"]["padded"]) > 2
-        assert ranks[n][0]["measure"]["first_reduce_scatter_before_last_grad"]
+        assert ranks[n][0]["measure"]["first_reduce_scatter_before_last_grad"], (
+            f"at N = {n} no reduce-scatter was issued before backward reached the embedding: each bucket's must go "
+            f"out in backward, when the bucket is complete, not after backward (exercise 4.2)")
 
 
 @pytest.mark.mechanism
@@ -238,10 +264,17 @@ def test_each_reduce_scatter_is_waited_for_only_once_the_next_bucket_is_computed
     # asynchronous: bucket k's reduce-scatter travels while backward computes bucket k + 1's gradients, and
     # is waited for (a wait comm records, by tag) only when bucket k + 1 goes out -- not at once
     m = ranks[n][0]["measure"]
-    assert [tag for tag, _ in m["issued"]] == [f"bucket{k}" for k in range(len(m["padded"]))]
+    tags = [tag for tag, _ in m["issued"]]
+    assert tags == [f"bucket{k}" for k in range(len(m["padded"]))], (
+        f"at N = {n} the reduce-scatters were tagged {tags}, expected bucket0 to bucket{len(m['padded']) - 1}, one "
+        f"per bucket in launch order, tagged with its index (exercise 4.2)")
     for k, (tag, issued) in enumerate(m["issued"][:-1]):
         started = [t for w, t in m["waits"] if w == tag]
-        assert all(t > min(m["ready"][k + 1]) for t in started), f"{tag} waited for before bucket{k + 1}'s gradients"
+        early = [t - min(m["ready"][k + 1]) for t in started if t <= min(m["ready"][k + 1])]
+        assert not early, (
+            f"at N = {n} the reduce-scatter of {tag} was waited for {-min(early) * 1e3:.2f} ms before the first "
+            f"gradient of bucket{k + 1} was ready: it must travel while backward computes the next bucket, and be "
+            f"waited for only when that one goes out. Is it waited for at once, where it is issued? (exercise 4.2)")
 
 
 # -- accumulation -----------------------------------------------------------------------------------------------

@@ -113,22 +113,43 @@ def zero2_peaks():
     return {s: res["peak"] for s, res in runs.items()} | {"psi": runs["sdp"]["psi"]}
 
 
-def unsent_bytes_peak(cap_mb=0.05):
-    """The most gradient bytes produced but not yet sent, as backward produces them in reverse registration
-    order and the buckets are launched in their fixed order; with the largest parameter's bytes and the cap."""
+CAP_MB = 0.05  # 52,429 B: more than the GPT's largest gradient (16,384 B), less than half of them all
+
+
+def owner_buckets(cap_mb=CAP_MB):
+    """The buckets of ShardedDataParallel over the default GPT, and over the toy model (a frozen layer); in
+    one real backward, the most gradient bytes computed but not yet sent at any moment; and how many buckets
+    a cap that holds every gradient, and a cap of zero (FairScale's "no buckets"), make."""
     cls, kw = OPTIMIZER_SPECS["adamw"]
-    net = build_model("gpt", seed=0)
-    model = ShardedDataParallel(net, OSS(net.parameters(), optim=cls, **kw), bucket_cap_mb=cap_mb)
-    order = list(reversed([p for p in net.parameters() if p.requires_grad]))
-    pos = {p: i for i, p in enumerate(order)}
-    launched_at, last = [], -1
-    for b in model._buckets:  # a bucket goes once its last gradient is in and every earlier bucket went
-        last = max(last, max(pos[p] for p in b.params))
-        launched_at.append(last)
-    bucket_of = {p: k for k, b in enumerate(model._buckets) for p in b.params}
-    unsent = max(sum(q.numel() * 4 for q in order[: i + 1] if launched_at[bucket_of[q]] > i)
-                 for i in range(len(order)))
-    return unsent, max(p.numel() * 4 for p in order), cap_mb * 2 ** 20
+    n, r = dist.get_world_size(), dist.get_rank()
+
+    def wrap(model_name, **kwargs):
+        net = build_model(model_name, seed=0)
+        opt = OSS(net.parameters(), optim=cls, **kw)
+        owner = {p: k for k in range(n) for p in opt.owned_params(k)}
+        names = {p: name for name, p in net.named_parameters()}
+        model = ShardedDataParallel(net, opt, **kwargs)
+        buckets = [[(names[p], owner[p], str(p.dtype), p.numel() * p.element_size()) for p in b.params]
+                   for b in model._buckets]
+        trainable = [(names[p], p.numel() * p.element_size()) for p in net.parameters() if p.requires_grad]
+        return net, model, buckets, trainable
+
+    net, model, buckets, trainable = wrap("gpt", bucket_cap_mb=cap_mb)
+    waiting = []  # at each gradient's arrival: the bytes of gradients in buckets not yet launched
+
+    def after_the_wrappers_hook(p):  # registered after the wrapper's: it has launched what p completed
+        waiting.append(sum(q.grad.numel() * q.grad.element_size() for b in model._buckets[model._next:]
+                           for q in b.params if q.grad is not None))
+
+    for p in net.parameters():
+        if p.requires_grad:
+            p.register_post_accumulate_grad_hook(after_the_wrappers_hook)
+    with comm.counting() as sent:
+        loss_of("gpt", model, batch("gpt", 0, 12, r, n, "cpu")).backward()
+    return {"buckets": buckets, "trainable": trainable, "waiting": max(waiting), "cap": cap_mb * 2 ** 20,
+            "reduces": sent.calls.get("reduce", 0),
+            "toy": wrap("toy", bucket_cap_mb=0.0002)[2:],
+            "whole": wrap("gpt")[2], "zero": wrap("gpt", reduce_buffer_size=0)[2]}
 
 
 def chapter_cases():
@@ -136,9 +157,9 @@ def chapter_cases():
                                        set_to_none="alternate" if m == "gpt" else "always")
                       for m in MODELS for o in OPTIMS for s in ("torch_ddp", "sdp")}}
     out["grads"] = grads_after_backward()
+    out["owner_buckets"] = owner_buckets()
     if dist.get_world_size() in PEAK_WORLD_SIZES:
         out["peaks"] = zero2_peaks()
-        out["unsent"] = unsent_bytes_peak()
     if dist.get_world_size() == 2:
         out["no_sync"] = {s: accumulate(s) for s in ("sdp", "torch")}
         out["no_zero_grad"] = {s: accumulate_without_zero_grad(s) for s in ("sdp", "torch")}
@@ -162,7 +183,7 @@ def mixed_dtypes(mix):
             "bucket_dtypes": [{p.dtype for p in b.params} for b in wrapped[0]._buckets]}
 
 
-@pytest.mark.exercise("4.1")
+@pytest.mark.exercise("4.1", "4.3")
 @pytest.mark.parametrize("n", (2, 3))
 @pytest.mark.parametrize("mix", MIXES)
 def test_mixed_dtypes_are_reduced_each_in_its_own_dtype(ranks, n, mix):
@@ -172,7 +193,9 @@ def test_mixed_dtypes_are_reduced_each_in_its_own_dtype(ranks, n, mix):
         res = ranks[n][r]["mixed"][mix]
         assert max_abs_diff(res["params"], ranks[n][0]["mixed"][mix]["params"]) == 0.0
         assert within(res["diff"], EXACT if n == 2 else REORDERED), res["diff"]
-        assert all(len(dtypes) == 1 for dtypes in res["bucket_dtypes"])
+        mixed = [sorted(map(str, dtypes)) for dtypes in res["bucket_dtypes"] if len(dtypes) > 1]
+        assert not mixed, (f"rank {r} of {n}: buckets mix dtypes {mixed}; one flat tensor holds one dtype, so each "
+                           f"bucket must too, or a gradient is averaged in another precision (exercise 4.3)")
 
 
 @pytest.fixture(scope="module")
@@ -180,7 +203,7 @@ def ranks():
     return PerWorldSize(lambda n: launch(chapter_cases, world_size=n, device="cpu"), WORLD_SIZES)
 
 
-@pytest.mark.exercise("4.1")
+@pytest.mark.exercise("4.1", "4.3")
 @pytest.mark.parametrize("n", WORLD_SIZES)
 @pytest.mark.parametrize("model", MODELS)
 @pytest.mark.parametrize("opt", OPTIMS)
@@ -188,9 +211,14 @@ def test_parity_with_torch_ddp(ranks, n, model, opt):
     for r in range(n):
         res = ranks[n][r]["parity"]
         diff = max_abs_diff(res[(model, opt, "sdp")]["params"], res[(model, opt, "torch_ddp")]["params"])
-        assert diff <= (ATOL_ADAMW if opt == "adamw" else ATOL)[n]
+        allowed = (ATOL_ADAMW if opt == "adamw" else ATOL)[n]
+        assert diff <= allowed, (
+            f"rank {r} of {n}, {model} with {opt}: {diff:.3g} away from torch's DDP with a plain optimizer, allowed "
+            f"{allowed:g}. Does each bucket reach its owner as the sum of every rank's gradients times 1/N "
+            f"(exercise 4.1), and does each bucket hold one owner's parameters (exercise 4.3)?")
         # ...and all replicas are identical: the owners' broadcast made them so
-        assert max_abs_diff(res[(model, opt, "sdp")]["params"], ranks[n][0]["parity"][(model, opt, "sdp")]["params"]) == 0.0
+        spread = max_abs_diff(res[(model, opt, "sdp")]["params"], ranks[n][0]["parity"][(model, opt, "sdp")]["params"])
+        assert spread == 0.0, f"rank {r} ends {spread:.3g} away from rank 0's parameters (exercise 4.1)"
 
 
 @pytest.mark.mechanism
@@ -201,9 +229,14 @@ def test_each_rank_keeps_only_the_gradients_it_owns(ranks, n):
     total = 0
     for r in range(n):
         res = ranks[n][r]["grads"]
-        assert res["held"] == res["owned"]
+        extra, missing = sorted(res["held"] - res["owned"]), sorted(res["owned"] - res["held"])
+        assert res["held"] == res["owned"], (
+            f"rank {r} of {n} ends backward holding {len(res['held'])} gradients, expected the {len(res['owned'])} "
+            f"of the parameters it owns; held but not owned: {extra[:4]}{' ...' if len(extra) > 4 else ''}, owned "
+            f"but missing: {missing[:4]}. Is each gradient dropped once it is copied into its bucket? (exercise 4.1)")
         total += res["grad_bytes"]
-    assert total == 4 * psi  # the owners' gradients add up to one full set: 4Ψ/N each, on average
+    assert total == 4 * psi, (  # the owners' gradients add up to one full set: 4Ψ/N each, on average
+        f"the ranks hold {total:,} B of gradients together, expected one full set, 4Ψ = {4 * psi:,} B (exercise 4.1)")
 
 
 @pytest.mark.mechanism
@@ -214,15 +247,88 @@ def test_a_bucket_sent_holds_no_gradient_on_any_rank(ranks, n):
     # drops them, the owner too (the reduced bucket comes back to it in the write-back). Kept until then,
     # they would add up to the gradients of a whole share.
     for r in range(n):
-        assert ranks[n][r]["grads"]["still_held"] == []
+        held = ranks[n][r]["grads"]["still_held"]
+        assert held == [], (
+            f"rank {r} of {n} still held the gradients of {len(held)} parameters of buckets already launched "
+            f"({', '.join(held[:3])}{' ...' if len(held) > 3 else ''}): once a bucket is sent, its values live in "
+            f"the flat copy only. Does a rank keep the gradients it owns until the write-back? (exercise 4.1)")
 
 
-@pytest.mark.parametrize("n", PEAK_WORLD_SIZES)
-def test_gradients_waiting_to_be_sent_stay_within_one_bucket(ranks, n):
-    # One bucket open per owner, but together they hold one cap, as DDP's one open bucket does: with a cap
-    # per owner, up to N caps waited (at N = 3 on this GPT: 101,120 bytes against a cap of 52,429).
-    unsent, largest, cap = ranks[n][0]["unsent"]
-    assert 0 < unsent <= cap + largest
+# -- the owner buckets (exercise 4.3) ------------------------------------------------------------------------------
+def keys(bucket):
+    """The (owner, dtype) pairs of a bucket's parameters: one, in a bucket that a reduce can send."""
+    return sorted({(owner, dtype) for _, owner, dtype, _ in bucket})
+
+
+@pytest.mark.exercise("4.3")
+@pytest.mark.parametrize("n", WORLD_SIZES)
+def test_owner_buckets_hold_each_trainable_parameter_once_with_one_owner_and_dtype(ranks, n):
+    for r in range(n):
+        res = ranks[n][r]["owner_buckets"]
+        for model, (buckets, trainable) in (("gpt", (res["buckets"], res["trainable"])), ("toy", res["toy"])):
+            placed = [name for b in buckets for name, *_ in b]
+            expected = sorted(name for name, _ in trainable)
+            assert sorted(placed) == expected, (
+                f"rank {r} of {n}, the {model} model: the buckets hold {len(placed)} parameters "
+                f"({len(set(placed))} different), expected each of the {len(expected)} trainable ones once, and no "
+                f"frozen one: {sorted(set(placed) ^ set(expected)) or 'some twice'} (exercise 4.3)")
+            for k, b in enumerate(buckets):
+                assert len(keys(b)) == 1, (
+                    f"rank {r} of {n}, the {model} model: bucket {k} mixes (owner, dtype) {keys(b)}. A bucket goes to "
+                    f"its owner in one reduce, as one flat tensor of one dtype: every parameter in it must have the "
+                    f"same owner and dtype (exercise 4.3)")
+
+
+@pytest.mark.exercise("4.3")
+@pytest.mark.parametrize("n", WORLD_SIZES)
+def test_every_rank_makes_the_same_buckets(ranks, n):
+    first = [[name for name, *_ in b] for b in ranks[n][0]["owner_buckets"]["buckets"]]
+    for r in range(1, n):
+        mine = [[name for name, *_ in b] for b in ranks[n][r]["owner_buckets"]["buckets"]]
+        assert mine == first, (
+            f"rank {r} of {n} made {len(mine)} buckets, rank 0 {len(first)}, and they differ: the ranks launch the "
+            f"buckets' reduces in list order, so the lists must be the same everywhere. Do they depend on anything "
+            f"but the parameters, their order and their owners? (exercise 4.3)")
+
+
+@pytest.mark.mechanism
+@pytest.mark.exercise("4.3")
+@pytest.mark.parametrize("n", WORLD_SIZES)
+def test_gradients_waiting_to_be_sent_stay_within_one_cap(ranks, n):
+    # One bucket open per owner, but together they hold one cap, as DDP's one open bucket does. Measured in a
+    # real backward: at each gradient's arrival, the gradients of the buckets not launched yet.
+    for r in range(n):
+        res = ranks[n][r]["owner_buckets"]
+        largest = max(nbytes for _, nbytes in res["trainable"])
+        assert 0 < res["waiting"] <= res["cap"] + largest, (
+            f"rank {r} of {n}: up to {res['waiting']:,} B of gradients waited unsent during backward, with a cap of "
+            f"{res['cap']:,.0f} B and a largest gradient of {largest:,} B; at most {res['cap'] + largest:,.0f} B "
+            f"may wait. Does each owner's bucket get a whole cap, so that N caps wait together, or are the buckets "
+            f"listed in another order than the one in which they fill? (exercise 4.3)")
+
+
+@pytest.mark.mechanism
+@pytest.mark.exercise("4.3")
+@pytest.mark.parametrize("n", WORLD_SIZES)
+def test_buckets_are_few(ranks, n):
+    res = ranks[n][0]["owner_buckets"]
+    pairs = {key for b in res["buckets"] for key in keys(b)}
+    assert len(res["whole"]) == len(pairs), (
+        f"at N = {n}, with a cap that holds every gradient, {len(res['whole'])} buckets; expected one per (owner, "
+        f"dtype), {len(pairs)}: is a bucket closed before the cap is reached? (exercise 4.3)")
+    assert len(res["zero"]) == len(res["trainable"]), (
+        f"at N = {n}, with reduce_buffer_size=0, {len(res['zero'])} buckets; expected one per gradient, "
+        f"{len(res['trainable'])} (exercise 4.3)")
+    total = sum(nbytes for _, nbytes in res["trainable"])
+    largest = max(nbytes for _, nbytes in res["trainable"])
+    most = len(pairs) * (total / (res["cap"] - largest) + 1)
+    assert len(res["buckets"]) <= most, (
+        f"at N = {n}, {total:,} B of gradients and a cap of {res['cap']:,.0f} B make {len(res['buckets'])} buckets; "
+        f"at most {most:.1f} are needed (K = {len(pairs)} (owner, dtype) pairs times one more than the gradient "
+        f"bytes over the cap less the largest gradient). Is a bucket closed each time the owner changes, or "
+        f"before the open buckets together reach the cap? (exercise 4.3)")
+    assert res["reduces"] == len(res["buckets"]) or n == 1, (
+        f"at N = {n}, {res['reduces']} reduces for {len(res['buckets'])} buckets: one each (exercise 4.3)")
 
 
 @pytest.mark.mechanism
@@ -233,8 +339,15 @@ def test_bytes_per_step_equal_ddp(ranks, n):
     for r in range(n):
         res = ranks[n][r]["grads"]
         # reduce to the owner (Ψ) + the owners' broadcast (Ψ) = 2Ψ(N-1)/N: DDP's figure, not more
-        assert sum(res["bytes"].values()) == pytest.approx(analytic.comm_bytes_per_step(psi, n, 2), abs=1e-6)
-        assert n == 1 or res["calls"]["reduce"] == res["buckets"] > n
+        expected = analytic.comm_bytes_per_step(psi, n, 2)
+        sent = ", ".join(f"{kind} {b:,.0f} B" for kind, b in sorted(res["bytes"].items())) or "nothing"
+        assert sum(res["bytes"].values()) == pytest.approx(expected, abs=1e-6), (
+            f"rank {r} of {n} sent {sent} in one step, expected {expected:,.0f} B in all: a reduce of each "
+            f"bucket to its owner, Ψ(N-1)/N, and the owners' broadcasts, Ψ(N-1)/N. Is a bucket all-reduced, or "
+            f"sent twice? (exercise 4.1)")
+        assert n == 1 or res["calls"]["reduce"] == res["buckets"] > n, (
+            f"rank {r} of {n} made {res['calls'].get('reduce', 0)} reduces for {res['buckets']} buckets: one "
+            f"each (exercise 4.1)")
 
 
 @pytest.mark.mechanism
@@ -250,7 +363,10 @@ def test_model_states_measured_vs_analytic(ranks, n, opt):
     assert states["params"] == model["params"]
     # grads and optimizer state are this rank's share: 1/N of the total within the partition's imbalance
     share = states["grads"] / (4 * psi)
-    assert abs(share - 1 / n) < 0.1 / n
+    assert abs(share - 1 / n) < 0.1 / n, (
+        f"at N = {n} rank 0 holds {states['grads']:,} B of gradients after the step, {share:.3f} of 4Ψ = "
+        f"{4 * psi:,} B, expected its share, about 1/N = {1 / n:.3f}: are gradients it does not own, or the flat "
+        f"copies it sent, still alive? (exercise 4.1)")
     assert states["optim"] / model["optim"] == pytest.approx(share * n, abs=0.01)
     assert res["peak"] > sum(model[k] for k in ("params", "grads", "optim"))
 
@@ -267,7 +383,12 @@ def test_zero2_peak_falls_by_the_gradients_it_shards(ranks, n, zero1, zero2):
     peaks = ranks[n][0]["peaks"]
     promised = 4 * peaks["psi"] * (n - 1) / n
     saved = peaks[zero1] - peaks[zero2]
-    assert saved >= 0.8 * promised, f"{zero2} saves {saved / promised:.0%} of 4Ψ(N-1)/N over {zero1}"
+    exercise = "4.1" if zero2 == "sdp" else "4.2"
+    assert saved >= 0.8 * promised, (
+        f"at N = {n} the peak of {zero2} is {peaks[zero2]:,} B against {zero1}'s {peaks[zero1]:,} B: it saves "
+        f"{saved:,} B, {saved / promised:.0%} of the 4Ψ(N-1)/N = {promised:,.0f} B of gradients it shards, and "
+        f"must save 80%. Are the gradients dropped as they are copied into the bucket, and each sent flat copy "
+        f"let go at the next launch rather than at the end of backward? (exercise {exercise})")
 
 
 @pytest.mark.exercise("4.1")

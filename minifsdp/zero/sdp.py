@@ -116,6 +116,7 @@ class ShardedDataParallel(FairScaleMethods, DistributedDataParallel):
         """Buckets of one owner (and one dtype, as DDP's) each, in the order
         they fill up as backward produces gradients."""
         owner = self._owners()
+        # BEGIN EXERCISE 4.3: owner buckets: one owner each, one cap among them
         open_buckets, sizes, groups = {}, {}, []
         for p in reversed(params):  # the order backward produces gradients
             key = (owner[p], p.dtype, p.device)
@@ -134,6 +135,7 @@ class ShardedDataParallel(FairScaleMethods, DistributedDataParallel):
             open_buckets.setdefault(key, []).append(p)
             sizes[key] = sizes.get(key, 0) + nbytes
         groups.extend(open_buckets.values())
+        # END EXERCISE
         return groups
     # --8<-- [end:owner_buckets]
 
