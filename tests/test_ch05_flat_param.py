@@ -171,8 +171,8 @@ def test_a_rank_keeps_only_its_shard(ranks, n):
         kept, shard = res["built_live"], res["shard_numel"] * 4
         assert kept == shard, (
             f"after building the FlatParameter a rank kept {kept:,} B, expected its {shard:,} B shard "
-            f"(exercise 5.1): is `shard` a view into the full padded tensor (clone it, so the full one is "
-            f"freed), or do the original parameters still hold their data?")
+            f"(exercise 5.1): is `shard` a slice of a full-size tensor? A slice keeps its whole storage alive. Or "
+            f"do the original parameters still hold their data?")
 
 
 @pytest.mark.exercise("5.3")

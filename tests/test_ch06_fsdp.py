@@ -378,7 +378,7 @@ def test_eval_forward_and_two_forwards_before_one_backward(ranks, n):
 
 # -- how one backward runs: the order of its collectives, and what is unsharded when ----------------------------
 @pytest.mark.mechanism
-@pytest.mark.exercise("6.1", "6.2")
+@pytest.mark.exercise("6.2")
 def test_backward_unshards_each_unit_just_before_its_own_compute(ranks):
     # Properties of any design of when backward gathers (no prefetching in this chapter), not one sequence:
     # when a unit's backward begins, only the root (kept since forward) and that unit hold full parameters;
@@ -396,10 +396,13 @@ def test_backward_unshards_each_unit_just_before_its_own_compute(ranks):
         assert not done, (
             f"when {name}'s backward began, {done} still held full parameters, although their backward was "
             f"over (exercise 6.1): the post-backward hook reshards its unit once the gradient is sent")
-        assert unsharded == sorted({"(root)", name}), (
-            f"when {name}'s backward began, {unsharded} held full parameters, expected only the root and {name} "
-            f"(exercise 6.2): a unit's all-gather in backward is started when that unit's backward is next, "
-            f"not earlier; and a unit's own must be started, or its views stay empty")
+        expected = sorted({"(root)", name})
+        assert unsharded == expected, (
+            f"when {name}'s backward began, {unsharded} held full parameters, expected only "
+            f"{' and '.join(expected)} (exercise 6.2): " + (
+                f"{', '.join(extra)} gathered early: a unit's all-gather in backward is started when that unit's "
+                f"backward is next, not before" if extra else
+                f"{name} was not gathered: its views stay empty until its own all-gather is started"))
     issued = [(kind, tag) for kind, tag, _ in rec["issued"]]
     gathers = sorted(tag for kind, tag in issued if kind == "all_gather")
     assert gathers == ["unshard blocks.0", "unshard blocks.1"], (
