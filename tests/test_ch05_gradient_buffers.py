@@ -26,9 +26,11 @@ def res():
 def test_the_split_backward_holds_two_flat_gradients(res):
     ours = res["ours"]
     # 60x50 + 50 + 50x30 + 30 = 4,580 parameters, each started on a 16-element boundary: 4,608 with the gaps
-    assert (ours["numel"], ours["padded"]) == (4580, 4608)
+    assert (ours["numel"], ours["padded"]) == (4580, 4608), (
+        f"the unit holds {ours['numel']:,} elements, padded to {ours['padded']:,}: expected 4,580 and 4,608 "
+        f"(chapter 5's layout)")
     model = analytic.fsdp_gradient_bytes(ours["padded"], world_size=2)
-    assert model["concat"] == 2 * 4 * 4608
+    assert model["concat"] == 2 * 4 * 4608, f"the model counts {model['concat']:,} B, expected two flat gradients"
     assert ours["concat"] == model["concat"] + SCALARS, (
         f"backward held {ours['concat']:,} B at the concatenation, expected two flat gradients, "
         f"{model['concat'] + SCALARS:,} B (exercise 5.3): are the views cut by one split of the flat buffer? "
@@ -41,12 +43,14 @@ def test_gloo_allocates_an_input_sized_buffer_and_the_shard_is_what_stays(res):
     ours = res["ours"]
     model = analytic.fsdp_gradient_bytes(ours["padded"], world_size=2)
     assert ours["reduce_scatter"] == model["reduce_scatter"] + SCALARS, (  # in place, plus gloo's own buffer
-        f"the reduce-scatter's peak was {ours['reduce_scatter']:,} B, expected {model['reduce_scatter'] + SCALARS:,} B"
-        f" (exercise 5.2): does it reduce the flat gradient in one reduce_scatter, without a copy of its own?")
+        f"the reduce-scatter's peak was {ours['reduce_scatter']:,} B, expected {model['reduce_scatter'] + SCALARS:,} B,"
+        f" the flat gradient and gloo's buffer of its size (exercise 5.2): does the result land in this rank's own "
+        f"chunk of the flat gradient, or in a tensor (or a copy) of your own?")
     assert ours["kept"] == model["kept"] == 4 * 4608 / 2, (
         f"a rank kept {ours['kept']:,} B of gradient after the reduce-scatter, expected its shard, "
         f"{model['kept']:,} B (exercise 5.2): is the flat gradient freed, and the shard a tensor of its own?")
-    assert analytic.fsdp_gradient_bytes(4608, 2, backend_buffer=False)["reduce_scatter"] == 4 * 4608
+    assert analytic.fsdp_gradient_bytes(4608, 2, backend_buffer=False)["reduce_scatter"] == 4 * 4608, (
+        "without the backend's buffer, the model's reduce-scatter should hold one flat gradient")
 
 
 def test_torch_fsdp1_holds_the_same_two_flat_gradients_beside_its_full_parameters(res):

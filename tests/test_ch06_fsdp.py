@@ -208,7 +208,8 @@ def test_bytes_per_step(ranks, n):
     nraf = ranks[n][0][("blocks", "sgd", False)][1]
     ring = (n - 1) / n
     if n == 1:
-        assert sum(raf.values()) == sum(nraf.values()) == 0
+        assert sum(raf.values()) == sum(nraf.values()) == 0, (
+            f"one rank sent {raf} (RAF) and {nraf} (NRAF), expected nothing (exercises 6.1, 6.2)")
         return
     assert raf["reduce_scatter"] / STEPS >= psi * 4 * ring, (
         f"{raf['reduce_scatter'] / STEPS:,.0f} B reduce-scattered a step, less than (N-1)/N of the 4Ψ = "
@@ -222,7 +223,9 @@ def test_bytes_per_step(ranks, n):
         f"all-gathered {raf['all_gather'] / STEPS:,.0f} B a step, two full passes or more (exercise 6.2): is a "
         f"unit already unsharded gathered again in backward?")
     total = sum(raf.values()) / STEPS
-    assert 2.5 * psi * 4 * ring < total < 3 * psi * 4 * ring * 1.01  # close to the 1.5x of ZeRO-3
+    assert 2.5 * psi * 4 * ring < total < 3 * psi * 4 * ring * 1.01, (  # close to the 1.5x of ZeRO-3
+        f"sent {total:,.0f} B a step, expected between 2.5 and 3 times (N-1)/N of 4Ψ = {psi * 4:,} B: two "
+        f"all-gathers and one reduce-scatter per unit, the root gathered once (exercises 6.1, 6.2)")
 
 
 def wrap_twice():
@@ -299,15 +302,33 @@ def test_memory_at_each_phase_equals_the_analytic_model(ranks, n):
         steps_counters = 4 * len(units)  # AdamW's `step`, one per flat parameter
         for res in (raf, nraf):
             after_step, after_zero = res["phases"]["after step"], res["phases"]["after zero_grad"]
-            assert after_step["params"] == after_zero["params"] == shards  # 4Ψ/N (padded): all resharded
-            assert after_step["grads"] == shards and after_zero["grads"] == 0
-            assert after_step["optim"] == 2 * shards + steps_counters  # 8Ψ/N
+            regime = "RAF" if res is raf else "NRAF"
+            assert after_step["params"] == after_zero["params"] == shards, (  # 4Ψ/N (padded): all resharded
+                f"rank {r} ({regime}) held {after_step['params']:,} B of parameters after the step, expected the "
+                f"{shards:,} B of its shards (exercises 6.1, 6.2): is a unit left unsharded after backward?")
+            assert after_step["grads"] == shards and after_zero["grads"] == 0, (
+                f"rank {r} ({regime}) held {after_step['grads']:,} B of gradients after the step, expected its "
+                f"{shards:,} B of gradient shards (exercise 6.1): is a full flat gradient left in .grad or in the "
+                f"root's list, or a shard never handed over?")
+            assert after_step["optim"] == 2 * shards + steps_counters, (  # 8Ψ/N
+                f"rank {r} ({regime}) held {after_step['optim']:,} B of optimizer state, expected twice its "
+                f"shards and AdamW's step counters, {2 * shards + steps_counters:,} B (exercise 6.1): does the "
+                f"optimizer see shard-sized gradients?")
         # after forward: the root keeps its parameters (RAF); NRAF keeps every unit's
-        assert raf["phases"]["after forward"]["params"] == fsdp_param_bytes(units, n, alive=["(root)"])
-        assert nraf["phases"]["after forward"]["params"] == fsdp_param_bytes(units, n, alive=[u for u, _ in units])
+        got, want = raf["phases"]["after forward"]["params"], fsdp_param_bytes(units, n, alive=["(root)"])
+        assert got == want, (
+            f"rank {r} held {got:,} B of parameters after forward (RAF), expected {want:,} B: the shards and the "
+            f"root's full buffer (exercises 6.1, 6.2)")
+        got, want = nraf["phases"]["after forward"]["params"], fsdp_param_bytes(units, n, alive=[u for u, _ in units])
+        assert got == want, (
+            f"rank {r} held {got:,} B of parameters after forward (NRAF), expected {want:,} B: the shards and "
+            f"every unit's full buffer (exercises 6.1, 6.2)")
         # NRAF costs exactly the full buffers of the non-root units more, as predicted
         extra = sum(4 * padded for name, padded in units if name != "(root)")
-        assert nraf["phases"]["after forward"]["total"] - raf["phases"]["after forward"]["total"] == extra
+        got = nraf["phases"]["after forward"]["total"] - raf["phases"]["after forward"]["total"]
+        assert got == extra, (
+            f"rank {r}: NRAF held {got:,} B more than RAF after forward, expected the {extra:,} B of the non-root "
+            f"units' full buffers (exercises 6.1, 6.2)")
 
 
 @pytest.mark.mechanism
@@ -317,10 +338,18 @@ def test_each_units_bytes_counted_equal_computed(ranks, n):
     from minifsdp.distributed.comm import ring_bytes
 
     for row in ranks[n][0]["units"]:
-        assert row["all_gathers"] == (1 if row["unit"] == "(root)" else 2) and row["reduce_scatters"] == 1
-        assert row["counted"] == pytest.approx(3 * ring_bytes("all_gather", 4 * row["padded"], n) -
-                                               (ring_bytes("all_gather", 4 * row["padded"], n)
-                                                if row["unit"] == "(root)" else 0))
+        gathers = 1 if row["unit"] == "(root)" else 2
+        assert row["all_gathers"] == gathers, (
+            f"{row['unit']} was all-gathered {row['all_gathers']} times in a step, expected {gathers} (exercise "
+            f"6.2): {'the root keeps its parameters from forward to backward' if gathers == 1 else 'once in forward, once in backward'}")
+        assert row["reduce_scatters"] == 1, (
+            f"{row['unit']} was reduce-scattered {row['reduce_scatters']} times in a step, expected once "
+            f"(exercise 6.1)")
+        computed = (gathers + 1) * ring_bytes("all_gather", 4 * row["padded"], n)
+        assert row["counted"] == pytest.approx(computed), (
+            f"{row['unit']} sent {row['counted']:,.0f} B in a step, expected {computed:,.0f} B: {gathers} "
+            f"all-gather(s) and one reduce-scatter of its {4 * row['padded']:,} B padded buffer, (N-1)/N of it "
+            f"each (exercises 6.1, 6.2)")
 
 
 @pytest.mark.mechanism
@@ -328,9 +357,12 @@ def test_each_units_bytes_counted_equal_computed(ranks, n):
 @pytest.mark.parametrize("n", (2, 3))
 def test_peak_memory_at_most_torchs_fsdp2(ranks, n):
     res = ranks[n][0]["fsdp2"]
-    assert res["ours"]["peak"] <= res["torch_fsdp2"]["peak"]
+    assert res["ours"]["peak"] <= res["torch_fsdp2"]["peak"], (
+        f"the step's peak was {res['ours']['peak']:,} B, above torch's FSDP2's {res['torch_fsdp2']['peak']:,} B "
+        f"(exercises 6.1, 6.2): are full parameters or full gradients kept alive longer than one unit's backward?")
     # ...training the same model the same way (same losses up to the reduction order)
-    assert res["ours"]["losses"] == pytest.approx(res["torch_fsdp2"]["losses"], abs=1e-6)
+    assert res["ours"]["losses"] == pytest.approx(res["torch_fsdp2"]["losses"], abs=1e-6), (
+        f"losses {res['ours']['losses']}, torch's FSDP2 {res['torch_fsdp2']['losses']} (exercises 6.1, 6.2)")
 
 
 @pytest.mark.exercise("6.1", "6.2")
@@ -348,22 +380,44 @@ def test_eval_forward_and_two_forwards_before_one_backward(ranks, n):
 @pytest.mark.mechanism
 @pytest.mark.exercise("6.2")
 def test_backward_unshards_each_unit_just_before_its_own_compute(ranks):
+    # Properties of any design of when backward gathers (no prefetching in this chapter), not one sequence:
+    # when a unit's backward begins, only the root (kept since forward) and that unit hold full parameters;
+    # each block is all-gathered once in backward, the root not at all; a block is gathered only once the
+    # block before it in backward has sent its gradient (and so resharded); each unit's reduce-scatter
+    # follows its all-gather.
     rec = ranks[2][0]["recorded"]
-    assert [name for name, _, _ in rec["begins"]] == ["(root)", "blocks.1", "blocks.0"]
-    # when a unit's backward begins, the root (kept since forward) and that unit hold their full
-    # parameters, no other: the units still to come are gathered when their turn comes, not earlier
-    for name, _, unsharded in rec["begins"]:
-        assert unsharded == sorted({"(root)", name}), (name, unsharded)
-    # in backward (no prefetching), each block's all-gather is issued by its pre-backward hook, after the
-    # reduce-scatter of the block before it; the root's was never freed, and goes out last
-    started = rec["begins"][0][1]
-    order = [(kind, tag) for kind, tag, t in rec["issued"] if t > started]
-    expected = [("all_gather", "unshard blocks.1"), ("reduce_scatter", "reduce_scatter blocks.1"),
-                ("all_gather", "unshard blocks.0"), ("reduce_scatter", "reduce_scatter blocks.0"),
-                ("reduce_scatter", "reduce_scatter (root)")]
-    assert order == expected, (
-        f"backward issued {order}, expected {expected} (exercise 6.2): the pre-backward hook unshards its own "
-        f"unit, when its backward begins, not an earlier or later one")
+    order = [name for name, _, _ in rec["begins"]]
+    assert order == ["(root)", "blocks.1", "blocks.0"], (
+        f"backward began the units in the order {order}, expected (root), blocks.1, blocks.0 (exercise 6.2): "
+        f"does each unit's pre-backward hook run once per backward, and let its backward begin?")
+    for i, (name, _, unsharded) in enumerate(rec["begins"]):
+        extra = [u for u in unsharded if u not in ("(root)", name)]
+        done = [u for u in extra if u in order[:i]]
+        assert not done, (
+            f"when {name}'s backward began, {done} still held full parameters, although their backward was "
+            f"over (exercise 6.1): the post-backward hook reshards its unit once the gradient is sent")
+        expected = sorted({"(root)", name})
+        assert unsharded == expected, (
+            f"when {name}'s backward began, {unsharded} held full parameters, expected only "
+            f"{' and '.join(expected)} (exercise 6.2): " + (
+                f"{', '.join(extra)} gathered early: a unit's all-gather in backward is started when that unit's "
+                f"backward is next, not before" if extra else
+                f"{name} was not gathered: its views stay empty until its own all-gather is started"))
+    issued = [(kind, tag) for kind, tag, _ in rec["issued"]]
+    gathers = sorted(tag for kind, tag in issued if kind == "all_gather")
+    assert gathers == ["unshard blocks.0", "unshard blocks.1"], (
+        f"backward all-gathered {gathers}, expected each block once and the root, kept since forward, not at "
+        f"all (exercise 6.2): is a unit that already holds its parameters gathered again, or one gathered "
+        f"twice?")
+    at = {event: i for i, event in enumerate(issued)}
+    for before, after in (("blocks.1", "blocks.0"),):
+        assert at[("all_gather", f"unshard {after}")] > at[("reduce_scatter", f"reduce_scatter {before}")], (
+            f"backward issued {issued} (exercise 6.2): {after}'s all-gather went out before {before}'s "
+            f"reduce-scatter, so both blocks held full parameters at once; gather a unit when its own backward "
+            f"is next")
+    for unit in ("blocks.1", "blocks.0"):
+        assert at[("reduce_scatter", f"reduce_scatter {unit}")] > at[("all_gather", f"unshard {unit}")], (
+            f"backward issued {issued} (exercise 6.2): {unit}'s reduce-scatter went out before its all-gather")
 
 
 @pytest.mark.mechanism
@@ -374,10 +428,11 @@ def test_each_reduce_scatter_travels_while_the_next_unit_computes(ranks):
     # blocks.1's reduce-scatter is issued asynchronously and waited for (comm records each wait, by tag)
     # only once blocks.0's backward is under way -- not by the hook that issued it
     waits = [t for tag, t in rec["waits"] if tag == "reduce_scatter blocks.1"]
-    assert all(t > begun["blocks.0"] for t in waits), (
-        "blocks.1's reduce-scatter was waited for before blocks.0's backward began (exercise 6.1): issue it with "
-        "async_op=True and queue the handle in the root's pending list; the next unit's hook or the end of "
-        "backward waits for it")
+    assert waits and all(t > begun["blocks.0"] for t in waits), (
+        "blocks.1's reduce-scatter was waited for before blocks.0's backward began (exercise 6.1)"
+        if waits else "blocks.1's reduce-scatter was never waited for, through comm (exercise 6.1)") + (
+        ": the post-backward hook only starts it, and leaves it where the root waits for it, so that it travels "
+        "while the next unit's backward computes")
     # and every unit's flat gradient goes out exactly once, in one reduce-scatter
     sent = [tag for kind, tag, _ in rec["issued"] if kind == "reduce_scatter"]
     assert sorted(sent) == sorted(f"reduce_scatter {u}" for u in rec["units"]), (
