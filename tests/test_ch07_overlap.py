@@ -56,7 +56,8 @@ def test_hidden_fraction_on_made_up_spans():
              ("one compute span and nothing on the wire", [Span("compute", "forward x", 0.0, 1.0)], 1.0)]
     for what, spans, expected in cases:
         got = hidden_fraction(spans)
-        assert got == pytest.approx(expected), f"hidden_fraction gave {got:.3g} for {what}, expected {expected} (exercise 7.3)"
+        assert got == pytest.approx(expected), (
+            f"hidden_fraction gave {got:.3g} for {what}, expected {expected} (exercise 7.3)")
 
 
 @pytest.mark.mechanism
