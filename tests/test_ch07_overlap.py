@@ -14,6 +14,7 @@ both on the shards, sees only their values -- compared bit for bit. Both optimiz
 of prefetch (forward, BACKWARD_PRE and BACKWARD_POST) and NRAF.
 """
 
+import collections
 import json
 
 import pytest
@@ -48,10 +49,15 @@ PARITY_RUNS = [("no prefetch", "sgd"), ("no prefetch", "adamw"), ("forward_prefe
 @pytest.mark.exercise("7.3")
 def test_hidden_fraction_on_made_up_spans():
     comm_only = [Span("all_gather", "a", 0.0, 10.0), Span("reduce_scatter", "b", 5.0, 15.0)]
-    assert hidden_fraction(comm_only) == 1.0  # nobody waited
-    assert hidden_fraction(comm_only + [Span("wait", "a", 0.0, 15.0)]) == 0.0
-    assert hidden_fraction(comm_only + [Span("wait", "a", 5.0, 8.0), Span("wait", "b", 12.0, 20.0)]) == pytest.approx(0.6)
-    assert hidden_fraction([Span("compute", "forward x", 0.0, 1.0)]) == 1.0
+    cases = [("collectives over [0, 10] and [5, 15], no wait", comm_only, 1.0),
+             ("the same and a wait over [0, 15]", comm_only + [Span("wait", "a", 0.0, 15.0)], 0.0),
+             ("the same and waits over [5, 8] and [12, 20]",
+              comm_only + [Span("wait", "a", 5.0, 8.0), Span("wait", "b", 12.0, 20.0)], 0.6),
+             ("one compute span and nothing on the wire", [Span("compute", "forward x", 0.0, 1.0)], 1.0)]
+    for what, spans, expected in cases:
+        got = hidden_fraction(spans)
+        assert got == pytest.approx(expected), (
+            f"hidden_fraction gave {got:.3g} for {what}, expected {expected} (exercise 7.3)")
 
 
 @pytest.mark.mechanism
@@ -62,7 +68,12 @@ def test_hidden_fraction_counts_each_moment_once():
     collective hides nothing and exposes nothing."""
     comm_spans = [Span("all_gather", "a", 0.0, 10.0), Span("all_gather", "b", 2.0, 10.0)]
     waits = [Span("wait", "a", 2.0, 6.0), Span("wait", "b", 4.0, 8.0), Span("wait", "c", 12.0, 14.0)]
-    assert hidden_fraction(comm_spans + waits) == pytest.approx(1 - 6 / 10)  # exposed: [2, 8]
+    got = hidden_fraction(comm_spans + waits)
+    assert got == pytest.approx(1 - 6 / 10), (  # exposed: [2, 8]
+        f"hidden_fraction gave {got:.3g} for collectives over [0, 10] and [2, 10] and waits over [2, 6], [4, 8] "
+        f"and [12, 14], expected 0.4: the wire was busy 10 time units and the rank blocked during 6 of them, "
+        f"[2, 8] (exercise 7.3). Were overlapping waits counted twice, or the wait outside every collective "
+        f"counted at all?")
 
 
 def test_rate_limiter_waits_for_the_oldest_free():
@@ -110,12 +121,30 @@ def _gpt():
 
 
 def issue_order(mode):
-    """The third step of a mode: its timeline's spans, and the order itself, as the recorder saw it: each
-    collective ("all_gather", unit) and each unit's compute beginning and ending ("begin", "forward blocks.0"),
-    one after the other -- no clock involved."""
+    """The third step of a mode on the GPT: its timeline's spans, and the issue order (see _issue_sequence)."""
     model, opt = build(SMALL, mode)
+    return _issue_sequence(lambda i: step(model, opt, SMALL, i, global_batch=12))
+
+
+def out_of_order(mode):
+    """The same on OutOfOrder, whose units run in another order than the module tree lists them."""
+    model = FSDP(OutOfOrder(), auto_wrap_policy=ModuleWrapPolicy({nn.Linear}), **MODES[mode])
+    opt = OPTIMIZERS["sgd"](model.parameters())
+    g = torch.Generator().manual_seed(dist.get_rank())
+
+    def one_step(i):
+        model(torch.randn(4, 6, generator=g)).backward()
+        opt.step()
+        opt.zero_grad()
+    return _issue_sequence(one_step)[1]
+
+
+def _issue_sequence(one_step):
+    """Two steps (the first records the order units run in), then the third recorded: its timeline's spans,
+    and the order itself, as the recorder saw it: each collective ("all_gather", unit) and each unit's compute
+    beginning and ending ("begin", "forward blocks.0"), one after the other -- no clock involved."""
     for i in range(2):
-        step(model, opt, SMALL, i, global_batch=12)
+        one_step(i)
     order = []
     with Timeline() as tl:
         def mark(what):  # a compute event: after the collectives issued so far
@@ -124,7 +153,7 @@ def issue_order(mode):
         for kind, fn in listeners.items():
             events.subscribe(kind, fn)
         try:
-            step(model, opt, SMALL, 2, global_batch=12)
+            one_step(2)
         finally:
             for kind, fn in listeners.items():
                 events.unsubscribe(kind, fn)
@@ -134,6 +163,21 @@ def issue_order(mode):
         sequence += collectives[done:issued_before] + [(what, name)]
         done = issued_before
     return tl.spans(), sequence + collectives[done:]
+
+
+class OutOfOrder(nn.Module):
+    """Four units, listed by the module tree as inp, c, b, a and run as inp, a, b, c, every step the same: the
+    order a prefetch needs is the one the units ran in, which the tree does not give."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(6, 8)
+        self.c, self.b, self.a = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(torch.tanh(self.inp(x))))
+        return self.c(torch.tanh(self.b(h))).pow(2).mean()
 
 
 class Reordered(nn.Module):
@@ -152,24 +196,29 @@ class Reordered(nn.Module):
 
 
 def dynamic_order(prefetch):
+    """Five steps of Reordered: the parameters, the units left unsharded after each forward, and the
+    all-gathers each backward issued (their units, in issue order)."""
     kw = MODES["forward_prefetch + BACKWARD_PRE"] if prefetch else MODES["no prefetch"]
     model = FSDP(Reordered(), auto_wrap_policy=ModuleWrapPolicy({nn.Linear}), **kw)
     opt = OPTIMIZERS["sgd"](model.parameters())
-    leftovers = []
+    leftovers, gathered = [], []
     g = torch.Generator().manual_seed(dist.get_rank())
     for i in range(5):
         loss = model(torch.randn(4, 6, generator=g), odd=i % 2 == 1)
         leftovers.append(sum(f.is_unsharded for u in model.units()[1:] for f in u.flat_params))
-        loss.backward()
+        with comm.counting(record=True) as counter:
+            loss.backward()
+        gathered.append([e.tag.split(" ", 1)[1] for e in counter.events if e.kind == "all_gather"])
         opt.step()
         opt.zero_grad()
-    return model.full_state_dict(), leftovers
+    return model.full_state_dict(), leftovers, gathered
 
 
 def chapter_cases():
     n = dist.get_world_size()
     out = {"parity": {(v, o): train_variant(v, o) for v, o in PARITY_RUNS},
            "order": {mode: issue_order(mode) for mode in MODES},
+           "out_of_order": {mode: out_of_order(mode) for mode in MODES},
            "dynamic": {p: dynamic_order(p) for p in (False, True)}}
     if n in (2, 4):
         out["memory"] = measure_prefetch_memory(config=SMALL)
@@ -197,7 +246,11 @@ def ranks():
 def test_prefetch_keeps_bit_exact_parity(ranks, n, variant, opt):
     for r in range(n):
         ours, reference = ranks[n][r]["parity"][(variant, opt)], ranks[n][r]["parity"][("no prefetch", opt)]
-        assert max(float((ours[k] - reference[k]).abs().max()) for k in ours) == 0.0
+        diff = max(float((ours[k] - reference[k]).abs().max()) for k in ours)
+        assert diff == 0.0, (
+            f"{variant}, {opt}, rank {r} of {n}: after three steps the parameters differ from those trained "
+            f"without prefetching by up to {diff:.3g}, expected 0 (exercises 7.1, 7.2): a prefetch may only "
+            f"start an all-gather earlier; does the unit returned compute with parameters it did not wait for?")
 
 
 @pytest.mark.exercise("7.1", "7.2")
@@ -205,12 +258,25 @@ def test_prefetch_keeps_bit_exact_parity(ranks, n, variant, opt):
 def test_changing_order_is_still_right_and_leaves_nothing_unsharded(ranks, n):
     """A prefetch the graph does not use is freed at the end of forward, and values stay exact."""
     for r in range(n):
-        (plain, left_plain), (prefetched, left_prefetched) = ranks[n][r]["dynamic"][False], ranks[n][r]["dynamic"][True]
-        assert max(float((plain[k] - prefetched[k]).abs().max()) for k in plain) == 0.0
-        assert left_plain == left_prefetched == [0] * 5
+        (plain, left_plain, _), (prefetched, left_prefetched, _) = (ranks[n][r]["dynamic"][p] for p in (False, True))
+        diff = max(float((plain[k] - prefetched[k]).abs().max()) for k in plain)
+        assert diff == 0.0, (
+            f"rank {r} of {n}: with the units' order changing every other step, prefetching moved the parameters "
+            f"by up to {diff:.3g}, expected 0 (exercises 7.1, 7.2)")
+        assert left_plain == left_prefetched == [0] * 5, (
+            f"rank {r} of {n}: full units left unsharded after each of five forwards: {left_prefetched} with "
+            f"prefetching, {left_plain} without, expected none (exercises 7.1, 7.2)")
 
 
 # -- order: read from the recorder, not from a clock ---------------------------------------------------------------
+MODELS = {"the GPT": "order", "OutOfOrder": "out_of_order"}  # -> the key of its issue order in chapter_cases
+
+
+def _sequence(ranks, n, r, model, mode):
+    got = ranks[n][r][MODELS[model]][mode]
+    return got[1] if model == "the GPT" else got
+
+
 def _at(sequence, what, name):
     """Where the first `what` ("all_gather", "reduce_scatter", "begin", "end") of `name` is in the sequence."""
     return sequence.index((what, name))
@@ -221,48 +287,131 @@ def _backward(sequence):
     return sequence[_at(sequence, "end", "forward (root)") + 1:]
 
 
-@pytest.mark.mechanism
-@pytest.mark.exercise("7.2")
-@pytest.mark.parametrize("n", WORLD_SIZES)
-def test_backward_issue_order_matches_the_mode(ranks, n):
-    """Block i-1's all-gather in block i's backward: without prefetch, issued behind block i's reduce-scatter;
-    with BACKWARD_PRE before block i's compute begins, with BACKWARD_POST after it ends -- both ahead of the
-    reduce-scatter."""
-    for r in range(n):
-        for mode in MODES:
-            back = _backward(ranks[n][r]["order"][mode][1])
-            prefetch = MODES[mode]["backward_prefetch"]
-            for i in range(SMALL.n_layer - 1, 0, -1):
-                ag_next = _at(back, "all_gather", f"blocks.{i - 1}")
-                rs_here = _at(back, "reduce_scatter", f"blocks.{i}")
-                begin, end = _at(back, "begin", f"backward blocks.{i}"), _at(back, "end", f"backward blocks.{i}")
-                if prefetch is None:   # issued when its own backward starts: behind our reduce-scatter
-                    assert rs_here < ag_next, (mode, i)
-                else:                  # ahead of our reduce-scatter ...
-                    assert ag_next < rs_here, (mode, i)
-                if prefetch == BACKWARD_PRE:   # ... and before our compute
-                    assert ag_next < begin, (mode, i)
-                if prefetch == BACKWARD_POST:  # ... but after it
-                    assert end < ag_next, (mode, i)
+def _run_order(sequence, phase):
+    """The units, not the root, in the order their compute began in `phase`."""
+    return [name.split(" ", 1)[1] for what, name in sequence
+            if what == "begin" and name.startswith(phase + " ") and name != f"{phase} (root)"]
+
+
+def _around(sequence, lo, hi):
+    """The stretch of the issue order from position lo to hi, in words (for a failure's message)."""
+    shown = [f"{what} {name}".replace("_", "-").replace("begin ", "begin of ").replace("end ", "end of ")
+             for what, name in sequence[max(lo, 0): hi + 1]]
+    return ", ".join(shown)
 
 
 @pytest.mark.mechanism
 @pytest.mark.exercise("7.1")
 @pytest.mark.parametrize("n", WORLD_SIZES)
 def test_forward_prefetch_issues_the_next_all_gather_before_computing(ranks, n):
-    """With forward_prefetch, block i+1's all-gather is issued before block i's forward compute begins (and
-    after block i's own: ours first, it is the one we wait for); without, only once it has ended."""
+    """With forward_prefetch, from the third step on, the all-gather of the unit that runs next in forward is
+    issued after this unit's own (ours first: it is the one we wait for) and before this unit's forward compute
+    begins -- on the GPT, and on a model whose module tree lists its units in another order than they run.
+    Without, only once this unit's compute has ended. Every unit's all-gather is issued before its compute."""
     for r in range(n):
-        for mode in MODES:
-            sequence = ranks[n][r]["order"][mode][1]
-            for i in range(SMALL.n_layer - 1):
-                ag_here = _at(sequence, "all_gather", f"blocks.{i}")
-                ag_next = _at(sequence, "all_gather", f"blocks.{i + 1}")
-                begin, end = _at(sequence, "begin", f"forward blocks.{i}"), _at(sequence, "end", f"forward blocks.{i}")
-                if MODES[mode]["forward_prefetch"]:
-                    assert ag_here < ag_next < begin, (mode, i)
-                else:
-                    assert end < ag_next, (mode, i)
+        for model in MODELS:
+            for mode in MODES:
+                sequence = _sequence(ranks, n, r, model, mode)
+                units = _run_order(sequence, "forward")
+                for unit in units:
+                    assert _at(sequence, "all_gather", unit) < _at(sequence, "begin", f"forward {unit}"), (
+                        f"{model}, {mode}, rank {r}: {unit}'s forward began before its own all-gather was issued "
+                        f"(exercise 7.1)")
+                for here, nxt in zip(units, units[1:]):
+                    ag_here, ag_next = _at(sequence, "all_gather", here), _at(sequence, "all_gather", nxt)
+                    begin, end = _at(sequence, "begin", f"forward {here}"), _at(sequence, "end", f"forward {here}")
+                    seen = _around(sequence, min(ag_here, ag_next) - 1, max(end, ag_next))
+                    if not MODES[mode]["forward_prefetch"]:
+                        assert end < ag_next, (f"{model}, {mode}, rank {r}: {nxt}'s all-gather was issued before "
+                                               f"{here}'s forward ended, without forward_prefetch: {seen}")
+                        continue
+                    assert ag_next < begin, (
+                        f"{model}, {mode}, rank {r}: {nxt} runs right after {here} in forward, but its all-gather "
+                        f"was not issued before {here}'s forward compute began: {seen} (exercise 7.1). Nothing "
+                        f"travels behind {here}'s compute. Is the unit you return the one that ran after this "
+                        f"one in the recorded order (the module tree's order may differ), from the second step on?")
+                    assert ag_here < ag_next, (
+                        f"{model}, {mode}, rank {r}: {nxt}'s all-gather was issued before {here}'s own: {seen} "
+                        f"(exercise 7.1). On one channel {here} then waits for both before it computes: was "
+                        f"{nxt} prefetched by a unit that runs earlier than {here}?")
+
+
+@pytest.mark.mechanism
+@pytest.mark.exercise("7.2")
+@pytest.mark.parametrize("n", WORLD_SIZES)
+def test_backward_issue_order_matches_the_mode(ranks, n):
+    """For each unit and the one whose backward runs next (on the GPT, and on a model whose module tree lists its
+    units in another order than they run): without prefetch, the next unit's all-gather is issued behind this
+    unit's reduce-scatter; with BACKWARD_PRE before this unit's compute begins, with BACKWARD_POST after it ends
+    -- both ahead of the reduce-scatter."""
+    for r in range(n):
+        for model in MODELS:
+            for mode in MODES:
+                back = _backward(_sequence(ranks, n, r, model, mode))
+                prefetch = MODES[mode]["backward_prefetch"]
+                units = _run_order(back, "backward")
+                for here, nxt in zip(units, units[1:]):
+                    ag_next = _at(back, "all_gather", nxt)
+                    rs_here = _at(back, "reduce_scatter", here)
+                    begin, end = _at(back, "begin", f"backward {here}"), _at(back, "end", f"backward {here}")
+                    seen = _around(back, min(begin, ag_next) - 1, max(rs_here, ag_next))
+                    where = f"{model}, {mode}, rank {r}: {nxt} runs its backward right after {here}, but its all-gather"
+                    if prefetch is None:   # issued when its own backward starts: behind our reduce-scatter
+                        assert rs_here < ag_next, f"{where} was issued ahead of {here}'s reduce-scatter: {seen}"
+                        continue
+                    assert ag_next < rs_here, (  # ahead of our reduce-scatter ...
+                        f"{where} was issued behind {here}'s reduce-scatter: {seen} (exercise 7.2). On one channel "
+                        f"it queues behind that gradient. Is the unit you return the one whose backward runs after "
+                        f"this one's, in the order recorded in the first step?")
+                    if prefetch == BACKWARD_PRE:   # ... and before our compute
+                        assert ag_next < begin, (
+                            f"{where} was not issued before {here}'s backward compute began, with BACKWARD_PRE: "
+                            f"{seen} (exercise 7.2)")
+                    if prefetch == BACKWARD_POST:  # ... but after it
+                        assert end < ag_next, (
+                            f"{where} was issued before {here}'s backward compute ended, with BACKWARD_POST: "
+                            f"{seen} (exercise 7.2)")
+
+
+@pytest.mark.mechanism
+@pytest.mark.exercise("7.1", "7.2")
+@pytest.mark.parametrize("n", WORLD_SIZES)
+def test_prefetching_adds_no_all_gather(ranks, n):
+    """In a static graph every mode all-gathers each unit as often as no prefetching does, in forward and in
+    backward: a prefetch moves an all-gather, never adds one."""
+    for r in range(n):
+        for model in MODELS:
+            plain = _sequence(ranks, n, r, model, "no prefetch")
+            for mode in MODES:
+                sequence = _sequence(ranks, n, r, model, mode)
+                for phase, part, exercise in (("forward", lambda s: s[:len(s) - len(_backward(s))], "7.1"),
+                                              ("backward", _backward, "7.2")):
+                    def count(seq):
+                        return collections.Counter(name for what, name in part(seq) if what == "all_gather")
+                    got, expected = count(sequence), count(plain)
+                    extra = {u: got[u] - expected[u] for u in got if got[u] > expected[u]}
+                    assert not extra, (
+                        f"{model}, {mode}, rank {r}: {phase} all-gathered "
+                        + ", ".join(f"{u} {got[u]} times (without prefetching {expected[u]})" for u in extra)
+                        + f" (exercise {exercise}): a unit that has already run in this {phase}, or that does not "
+                        f"run next, was prefetched, and its full parameters gathered again for nothing")
+
+
+@pytest.mark.mechanism
+@pytest.mark.exercise("7.2")
+@pytest.mark.parametrize("n", WORLD_SIZES)
+def test_backward_never_prefetches_a_unit_whose_backward_has_begun(ranks, n):
+    """On Reordered, whose last two units swap every other step, the order recorded in the first step is wrong
+    in odd steps: a prefetch may be wasted on a unit that runs later than recorded, but no backward may gather
+    a unit twice (its backward had begun)."""
+    for r in range(n):
+        for i, gathered in enumerate(ranks[n][r]["dynamic"][True][2]):
+            twice = sorted(u for u, k in collections.Counter(gathered).items() if k > 1)
+            assert not twice, (
+                f"rank {r}, step {i}: backward all-gathered {', '.join(twice)} twice (all-gathers in issue order: "
+                f"{', '.join(gathered)}), expected each unit at most once (exercise 7.2): the order recorded in "
+                f"the first step named a unit whose backward had already run; is a unit returned only while its "
+                f"backward is still to come?")
 
 
 @pytest.mark.parametrize("n", WORLD_SIZES)
@@ -279,19 +428,35 @@ def test_timeline_has_every_units_compute_in_both_phases(ranks, n):
 @pytest.mark.exercise("7.1", "7.2")
 @pytest.mark.parametrize("n", [2, 4])
 def test_prefetch_memory_is_one_more_full_buffer(ranks, n):
+    """The peak of the parameter bytes in forward and in backward, against the model: every shard, the root's
+    full buffer, and one block's full buffer, or two where a prefetch runs in that phase."""
     res = ranks[n][0]["memory"]
     for (mode, limit), m in res.items():
         blocks = [u for u in m["units"] if u != "(root)"]
         for phase in ("forward", "backward"):
-            alive = ["(root)"] + blocks[:expected_full_units(mode, phase)]
-            assert m[phase]["params"] == full_buffers(m["units"], n, alive), (mode, limit, phase)
+            full = expected_full_units(mode, phase)
+            alive = ["(root)"] + blocks[:full]
+            got, expected = m[phase]["params"], full_buffers(m["units"], n, alive)
+            block = 4 * m["units"]["blocks.0"]
+            exercise = "7.1" if phase == "forward" else "7.2"
+            assert got == expected, (
+                f"{mode} (limit_all_gathers={limit}), rank 0 of {n}: the parameter bytes peaked at {got:,.0f} B "
+                f"in {phase}, expected {expected:,.0f} B: every shard, the root's full buffer and {full} block "
+                f"buffer{'s' if full > 1 else ''} of {block:,} B, {got - expected:+,.0f} B off (exercise "
+                f"{exercise}): at most one unit is prefetched at a time, the one that computes next; was a unit "
+                f"prefetched further ahead, or one that had already run?")
     # the rate limiter never waits on the CPU, so it changes nothing here
     both = "forward_prefetch + BACKWARD_PRE"
-    assert res[(both, True)]["backward"] == res[(both, False)]["backward"]
+    assert res[(both, True)]["backward"] == res[(both, False)]["backward"], (
+        f"{both}: the rate limiter changed backward's memory on CPU ranks, where it never waits: "
+        f"{res[(both, True)]['backward']} with it, {res[(both, False)]['backward']} without")
     # prefetching in backward raises the step's peak by up to one block's full parameters
     none, pre = res[("no prefetch", True)], res[("BACKWARD_PRE", True)]
     block = 4 * res[("no prefetch", True)]["units"]["blocks.0"]
-    assert 0 <= pre["backward"]["total"] - none["backward"]["total"] <= block
+    rise = pre["backward"]["total"] - none["backward"]["total"]
+    assert 0 <= rise <= block, (
+        f"BACKWARD_PRE, rank 0 of {n}: the step's peak in backward moved by {rise:+,.0f} B against no "
+        f"prefetching, expected between 0 and one block's full buffer, {block:,} B (exercise 7.2)")
 
 
 # -- overlap: on a throttled link ------------------------------------------------------------------------------
@@ -303,8 +468,15 @@ def test_prefetching_hides_communication_on_a_slow_link(ranks, tmp_path):
     # 5-15% and 44-65%. A loaded machine wakes the ranks' threads late and moves both, so only the direction
     # is asserted (the issue order is tested above). (A single step of a smaller model, on a link of 5 ms a
     # collective, left a margin of a few points, which load could close.)
-    assert lane_time(on, "wait") < lane_time(off, "wait")
-    assert hidden_fraction(on) > hidden_fraction(off)
+    waited = {m: lane_time(spans, "wait") for m, spans in (("on", on), ("off", off))}
+    assert waited["on"] < waited["off"], (
+        f"on a throttled link rank 0 waited {waited['on'] * 1e3:,.1f} ms with forward_prefetch + BACKWARD_PRE, "
+        f"{waited['off'] * 1e3:,.1f} ms without: prefetching should wait less (exercises 7.1, 7.2): is any "
+        f"all-gather prefetched at all?")
+    hidden = {m: hidden_fraction(spans) for m, spans in (("on", on), ("off", off))}
+    assert hidden["on"] > hidden["off"], (
+        f"hidden fraction {hidden['on']:.0%} with prefetching, {hidden['off']:.0%} without: expected higher with "
+        f"(exercises 7.1, 7.2, 7.3)")
     timelines = [r["throttled"]["forward_prefetch + BACKWARD_PRE"] for r in ranks[2]]
     write_chrome_trace(timelines, tmp_path / "trace.json")
     trace = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]

@@ -94,8 +94,8 @@ def scaler_agreement():
     scales, sent, reductions = [], [], []
     all_reduce = comm.all_reduce
 
-    def seen(tensor, op=comm.ReduceOp.SUM, *args, **kwargs):  # which reduction, of how many numbers
-        reductions.append((op == comm.ReduceOp.MAX, tensor.numel()))
+    def seen(tensor, op=comm.ReduceOp.SUM, *args, **kwargs):  # which reduction, of how many numbers, how wide
+        reductions.append((str(op).rsplit(".", 1)[-1], tensor.numel(), tensor.element_size()))
         return all_reduce(tensor, op, *args, **kwargs)
 
     for step in range(AGREEMENT_STEPS):
@@ -188,7 +188,9 @@ def test_low_precision_equals_the_emulated_casts(ranks, reference, n, policy):
             diff = max_abs_diff(got["params"], ref["params"])
             assert diff <= tol, f"{s} {opt} rank {r}: {diff:.3g} > {tol}"
             if policy == "fp16":  # the scaler took the same decisions as the reference's
-                assert got["scales"] == ref["scales"] and got["skipped"] == ref["skipped"]
+                assert got["scales"] == ref["scales"] and got["skipped"] == ref["skipped"], (
+                    f"{s} {opt} rank {r}: scales {got['scales']} and skipped steps {got['skipped']}, expected "
+                    f"{ref['scales']} and {ref['skipped']} (exercise 8.2)")
                 assert ref["scales"][-1] > ref["scales"][0]  # and the schedule moved: it grew
 
 
@@ -198,7 +200,9 @@ def test_low_precision_really_is_low(ranks, n):
     """Not fp32 in disguise: bf16 and fp32 training end up measurably apart (fp32 at N = 3, 4 differs from
     itself by reduction order only at the 1e-9 level)."""
     bf16, fp32 = ranks[n][0][("bf16", "fsdp", "sgd")], ranks[n][0][("fp32", "fsdp", "sgd")]
-    assert max_abs_diff(bf16["params"], fp32["params"]) > 1e-5
+    diff = max_abs_diff(bf16["params"], fp32["params"])
+    assert diff > 1e-5, (f"rank 0 of {n}: bf16 and fp32 training ended {diff:.3g} apart, expected more than 1e-5 "
+                         f"(exercise 8.1): is the shard sent in param_dtype, or still in fp32?")
 
 
 @pytest.mark.exercise("8.1")
@@ -208,7 +212,9 @@ def test_cpu_offload_changes_no_value(ranks, n, policy):
     for opt in ("sgd", "adamw") if policy == "fp32" else ("sgd",):
         plain = ranks[n][0][(policy if policy == "fp32" else "bf16", "fsdp", opt)]
         offloaded = ranks[n][0][(f"{policy}_offload", "fsdp", opt)]
-        assert max_abs_diff(plain["params"], offloaded["params"]) == 0.0
+        diff = max_abs_diff(plain["params"], offloaded["params"])
+        assert diff == 0.0, (f"{policy}, {opt}, rank 0 of {n}: offloading moved the parameters by up to {diff:.3g}, "
+                             f"expected 0 (exercise 8.1): the shard is copied as it is, and cast on the device")
 
 
 # -- bytes ------------------------------------------------------------------------------------------------------
@@ -220,12 +226,25 @@ def test_bf16_halves_the_bytes_it_should(ranks, n):
     res = ranks[n][0]
     fp32 = res[("fp32", "fsdp", "sgd")]["comm_bytes"]
     bf16, bf16_f32 = res[("bf16", "fsdp", "sgd")]["comm_bytes"], res[("bf16_reduce_fp32", "fsdp", "sgd")]["comm_bytes"]
-    assert bf16["all_gather"] * 2 == fp32["all_gather"]          # the shard is cast before it is sent
-    assert bf16["reduce_scatter"] * 2 == fp32["reduce_scatter"]  # and the gradients averaged in bf16
-    assert bf16_f32["all_gather"] == bf16["all_gather"]
-    assert bf16_f32["reduce_scatter"] == fp32["reduce_scatter"]  # reduce_dtype=fp32: full size
+    assert bf16["all_gather"] * 2 == fp32["all_gather"], (  # the shard is cast before it is sent
+        f"rank 0 of {n}: FSDP's all-gathers carried {bf16['all_gather']:,.0f} B in bf16 and "
+        f"{fp32['all_gather']:,.0f} B in fp32, expected exactly half (exercise 8.1): is the shard cast to "
+        f"param_dtype before it is sent, rather than the gathered buffer afterwards?")
+    assert bf16_f32["all_gather"] == bf16["all_gather"], (
+        f"rank 0 of {n}: the all-gathers carried {bf16_f32['all_gather']:,.0f} B with reduce_dtype=fp32 and "
+        f"{bf16['all_gather']:,.0f} B without, expected the same: param_dtype alone sets what is gathered "
+        f"(exercise 8.1)")
+    # the gradients: chapter 8's reduce_scatter_grad and the replicas' buckets, not an exercise
+    assert bf16["reduce_scatter"] * 2 == fp32["reduce_scatter"], (
+        f"rank 0 of {n}: reduce-scatters of {bf16['reduce_scatter']:,.0f} B in bf16, "
+        f"{fp32['reduce_scatter']:,.0f} B in fp32: expected half, the gradients averaged in reduce_dtype")
+    assert bf16_f32["reduce_scatter"] == fp32["reduce_scatter"], (  # reduce_dtype=fp32: full size
+        f"rank 0 of {n}: reduce-scatters of {bf16_f32['reduce_scatter']:,.0f} B with reduce_dtype=fp32, "
+        f"{fp32['reduce_scatter']:,.0f} B in fp32: expected the same")
     for s, kind in (("ddp", "all_reduce"), ("sdp", "reduce")):  # their buckets, cast to reduce_dtype
-        assert res[("bf16", s, "sgd")]["comm_bytes"][kind] * 2 == res[("bf16_reduce_fp32", s, "sgd")]["comm_bytes"][kind]
+        low, high = (res[(policy, s, "sgd")]["comm_bytes"][kind] for policy in ("bf16", "bf16_reduce_fp32"))
+        assert low * 2 == high, (f"rank 0 of {n}: {s}'s {kind}s carried {low:,.0f} B reduced in bf16, {high:,.0f} "
+                                 f"B in fp32: expected half")
 
 
 @pytest.mark.mechanism
@@ -241,9 +260,20 @@ def test_the_all_gather_carries_param_dtype_bytes(ranks, n):
     for policy, itemsize in (("bf16", 2), ("fp32", 4)):
         for r in range(n):
             run = ranks[n][r][(policy, "fsdp", "sgd")]
-            assert run["comm_calls"]["all_gather"] == STEPS * gathers
-            assert run["comm_bytes"]["all_gather"] == STEPS * itemsize * gathered * (n - 1) / n
-            assert set(run["comm_calls"]) == {"all_gather", "reduce_scatter"}
+            calls, sent = run["comm_calls"]["all_gather"], run["comm_bytes"]["all_gather"]
+            expected = STEPS * itemsize * gathered * (n - 1) / n
+            assert calls == STEPS * gathers, (
+                f"{policy}, rank {r} of {n}: {calls:,} all-gathers in {STEPS} steps, expected {STEPS * gathers:,}, "
+                f"one per unshard (exercise 8.1): does what a rank sends cross the wire in one all-gather, "
+                f"and nothing else?")
+            assert sent == expected, (
+                f"{policy}, rank {r} of {n}: the all-gathers carried {sent:,.0f} B in {STEPS} steps, expected "
+                f"{expected:,.0f} B, {itemsize} B per padded element x (N - 1)/N (exercise 8.1): is the shard "
+                f"cast to param_dtype before it is sent, rather than gathered in fp32 and cast afterwards?")
+            kinds = sorted(run["comm_calls"])
+            assert kinds == ["all_gather", "reduce_scatter"], (
+                f"{policy}, rank {r} of {n}: collectives of kinds {kinds}, expected only all_gather and "
+                f"reduce_scatter (exercise 8.1): nothing but the cast shard should be sent to unshard")
 
 
 @pytest.mark.mechanism
@@ -256,9 +286,18 @@ def test_offload_copies_each_shard_in_and_each_gradient_shard_out(ranks, n):
     into = 4 * sum(sum(shards) * (1 if is_root else 2) for is_root, shards in units)
     for policy, grad_bytes in (("fp32", 4), ("bf16", 2)):
         copies = ranks[n][0][(f"{policy}_offload", "fsdp", "sgd")]["comm_copies"]
-        assert copies["host_to_device"] == STEPS * into
-        assert copies["device_to_host"] == STEPS * grad_bytes * sum(sum(s) for _, s in units)
-        assert not ranks[n][0][(policy if policy == "fp32" else "bf16", "fsdp", "sgd")]["comm_copies"]
+        into_got, out_got = copies.get("host_to_device", 0), copies.get("device_to_host", 0)
+        assert into_got == STEPS * into, (
+            f"{policy} with offload, rank 0 of {n}: {into_got:,.0f} B copied host to device in {STEPS} steps, "
+            f"expected {STEPS * into:,.0f} B, the fp32 shard at every unshard (exercise 8.1): is the shard brought "
+            f"to the device through comm's counted copy, once per unshard, before it is cast?")
+        out_expected = STEPS * grad_bytes * sum(sum(s) for _, s in units)
+        assert out_got == out_expected, (  # chapter 8's grad_offload, not an exercise
+            f"{policy} with offload, rank 0 of {n}: {out_got:,.0f} B copied device to host in {STEPS} steps, "
+            f"expected {out_expected:,.0f} B, every gradient shard in reduce_dtype")
+        plain = ranks[n][0][(policy if policy == "fp32" else "bf16", "fsdp", "sgd")]["comm_copies"]
+        assert not plain, (f"{policy} without offload, rank 0 of {n}: copies {dict(plain)}, expected none "
+                           f"(exercise 8.1): is the shard copied to the device even when it is not offloaded?")
 
 
 # -- memory -----------------------------------------------------------------------------------------------------
@@ -275,9 +314,15 @@ def test_model_states_keep_16_bytes_per_parameter_and_the_unsharded_units_halve(
     fp32, bf16 = ranks[n][0][("fp32", "fsdp", "adamw")], ranks[n][0][("bf16_measured", "fsdp")]
     for m in (fp32, bf16):
         after = m["after_step"]
-        assert after["params"] + after["grads"] + after["optim"] == 16 * shard_numel + step_counts
+        states = after["params"] + after["grads"] + after["optim"]
+        assert states == 16 * shard_numel + step_counts, (
+            f"rank 0 of {n}: model states of {states:,} B after the step, expected 16 B x {shard_numel:,} shard "
+            f"elements + {step_counts} B of step counts = {16 * shard_numel + step_counts:,} B (exercise 8.1): "
+            f"is the fp32 master shard kept as it is, not replaced by its cast?")
     unsharded = {k: m["category_peak"]["params"] - 4 * shard_numel for k, m in (("fp32", fp32), ("bf16", bf16))}
-    assert unsharded["fp32"] > 0 and unsharded["bf16"] * 2 == unsharded["fp32"]
+    assert unsharded["fp32"] > 0 and unsharded["bf16"] * 2 == unsharded["fp32"], (
+        f"rank 0 of {n}: the full parameters peaked at {unsharded['bf16']:,} B in bf16 and {unsharded['fp32']:,} B "
+        f"in fp32, expected exactly half (exercise 8.1): does the cast shard, and nothing in fp32, fill the buffer?")
     assert bf16["peak"] < fp32["peak"]  # activations in bf16 too
 
 
@@ -287,22 +332,45 @@ def test_model_states_keep_16_bytes_per_parameter_and_the_unsharded_units_halve(
 @pytest.mark.parametrize("n", WORLD_SIZES)
 def test_scaler_skips_on_every_rank_when_one_shard_overflows(ranks, n):
     runs = [ranks[n][r]["agreement"] for r in range(n)]
-    assert [run["local"][1] for run in runs] == [True] + [False] * (n - 1)  # only rank 0's shard saw it
-    for run in runs:
-        assert run["scales"] == [2.0 ** 12, 2.0 ** 12, 2.0 ** 11]  # ... yet every rank backed off
-        assert run["taken"] == [0, 2]  # and skipped step 1: no rank stepped its shards alone
+    local = [run["local"][1] for run in runs]
+    assert local == [True] + [False] * (n - 1), (  # only rank 0's shard saw it
+        f"local_found_inf at the step that overflows, rank by rank: {local}, expected True on rank 0 only, "
+        f"whose shard holds the inf (exercise 8.2): is each rank's own answer recorded, before the ranks agree?")
+    for r, run in enumerate(runs):
+        assert run["scales"] == [2.0 ** 12, 2.0 ** 12, 2.0 ** 11], (  # ... yet every rank backed off
+            f"rank {r} of {n}: scales after each of three steps {run['scales']}, expected [4096, 4096, 2048]: "
+            f"every rank halves its scale after the step in which any rank overflowed (exercise 8.2)")
+        assert run["taken"] == [0, 2], (  # and skipped step 1: no rank stepped its shards alone
+            f"rank {r} of {n}: the optimizer stepped in steps {run['taken']}, expected [0, 2]: step 1 overflowed "
+            f"on rank 0, so every rank skips it (exercise 8.2): does each rank decide from the agreed answer?")
 
 
 @pytest.mark.mechanism
 @pytest.mark.exercise("8.2")
 @pytest.mark.parametrize("n", WORLD_SIZES)
-def test_the_ranks_agree_with_one_max_all_reduce_of_one_flag(ranks, n):
-    """Each scaler.step() sends one thing: a MAX all-reduce of one fp32 flag, through comm (2 x 4 (N-1)/N
-    bytes), whether or not this rank overflowed -- not every gradient, not a gather of every rank's flags."""
+def test_the_ranks_agree_with_one_all_reduce_of_one_number(ranks, n):
+    """Each scaler.step() sends one thing, on every rank, whether or not it overflowed: one all-reduce of one
+    number through comm, 2 x its bytes x (N-1)/N -- not every gradient, not a gather of every rank's answer.
+    Which reduction, and what the number counts, is the design's."""
     for r in range(n):
         run = ranks[n][r]["agreement"]
-        assert run["sent"] == [({"all_reduce": 1}, {"all_reduce": 2 * 4 * (n - 1) / n})] * AGREEMENT_STEPS
-        assert run["reductions"] == [(True, 1)] * AGREEMENT_STEPS
+        for i, ((calls, sent), reductions) in enumerate(zip(run["sent"], run["reductions"] + [None] * AGREEMENT_STEPS)):
+            when = f"rank {r} of {n}, step {i} ({'rank 0 overflows' if i == 1 else 'no overflow'})"
+            assert calls == {"all_reduce": 1}, (
+                f"{when}: scaler.step() issued {calls or 'no collective'} through comm, expected one all_reduce "
+                f"(exercise 8.2): " + (
+                    "every rank must enter the agreement at every step, overflow or not, and through comm, "
+                    "which counts it" if not calls else
+                    "one number per rank, combined into the same answer on every rank, is all the agreement "
+                    "needs; anything more grows with N or with the gradients"))
+            _, numel, width = reductions
+            assert numel == 1, (
+                f"{when}: the all-reduce carried {numel:,} numbers, expected one (exercise 8.2): the ranks only "
+                f"need to agree on whether any of them overflowed, not on the gradients")
+            expected = 2 * width * (n - 1) / n
+            assert sent == {"all_reduce": expected}, (
+                f"{when}: sent {sent}, expected {expected:,.0f} B, a ring all-reduce of one {width}-byte number "
+                f"(exercise 8.2)")
 
 
 def _scaler_run(ours, set_scale_at=None):
