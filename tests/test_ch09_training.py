@@ -144,6 +144,7 @@ def cut(g, how, n, r):
 
 
 CUTS = ("even shards", "whole tensors", "all on the last rank", "uneven pieces", "zeros")
+CUT_IDS = [how.replace(" ", "_") for how in CUTS]
 
 
 def sharded_norms():
@@ -379,7 +380,7 @@ def test_clipping_sends_one_number(ranks, n, norm_type, kind):
 
 @pytest.mark.exercise("9.2")
 @pytest.mark.parametrize("n", WORLD_SIZES)
-@pytest.mark.parametrize("how", CUTS)
+@pytest.mark.parametrize("how", CUTS, ids=CUT_IDS)
 @pytest.mark.parametrize("p", NORM_TYPES, ids=NORM_IDS)
 def test_the_norm_is_the_whole_gradients_however_it_is_cut(ranks, n, how, p):
     """For any p > 0 and p = inf, however the gradient is cut into slices (one flat shard a rank, whole tensors
@@ -405,7 +406,7 @@ def test_the_norm_is_the_whole_gradients_however_it_is_cut(ranks, n, how, p):
 @pytest.mark.mechanism
 @pytest.mark.exercise("9.2")
 @pytest.mark.parametrize("n", WORLD_SIZES)
-@pytest.mark.parametrize("how", CUTS)
+@pytest.mark.parametrize("how", CUTS, ids=CUT_IDS)
 @pytest.mark.parametrize("p", NORM_TYPES, ids=NORM_IDS)
 def test_the_norm_sends_one_number_however_the_gradient_is_cut(ranks, n, how, p):
     """One all-reduce of one fp32 number through comm, 2 x 4 (N-1)/N bytes, whether the rank holds one tensor,
