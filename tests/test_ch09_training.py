@@ -374,8 +374,8 @@ def test_clipping_sends_one_number(ranks, n, norm_type, kind):
             assert (calls, sent_bytes) == one, (
                 f"N = {n}, rank {r}, {kind}, p = {norm_type:g}: clip {step + 1} issued {calls or 'nothing'} through "
                 f"comm, sending {_bytes(sent_bytes)}, expected one all_reduce of one fp32 number, "
-                f"{_bytes(one[1])} (exercise 9.2): does each rank send its gradients, or a number per gradient, "
-                f"rather than one number that stands for its whole slice?")
+                f"{_bytes(one[1])} (exercise 9.2): does each rank send its gradients, a number per gradient, or "
+                f"gather every rank's number, rather than reduce one number that stands for its whole slice?")
 
 
 @pytest.mark.exercise("9.2")
@@ -418,8 +418,9 @@ def test_the_norm_sends_one_number_however_the_gradient_is_cut(ranks, n, how, p)
         assert (calls, sent_bytes) == one, (
             f"N = {n}, rank {r}, p = {p:g}, the gradient cut as '{how}' ({res['tensors']} tensors on this rank): the "
             f"norm issued {calls or 'nothing'} through comm, sending {_bytes(sent_bytes)}, expected one all_reduce "
-            f"of one fp32 number, {_bytes(one[1])} (exercise 9.2): what one number can each rank send, whatever it "
-            f"holds, from which every rank gets the whole norm?")
+            f"of one fp32 number, {_bytes(one[1])} (exercise 9.2): one reduction of one number, not a gather of "
+            f"every rank's number or of the gradients: which number can each rank send, whatever it holds, so that "
+            f"one reduction gives every rank the whole norm?")
 
 
 def _bytes(sent: dict) -> str:

@@ -107,7 +107,7 @@ def test_boxes_are_the_fewest_the_cut_needs(shape):
         found = boxes(shape, start, end)
         assert len(found) == fewest[start, end] <= 2 * max(len(shape) - 1, 0) + 1, (
             f"shape {shape}, elements [{start}, {end}): {len(found)} boxes ({runs_of(found, shape)}), where "
-            f"{fewest[start, end]} cover the range (exercise 10.1): is a partial row cut into rows or runs of the "
+            f"{fewest[start, end]} {'box covers' if fewest[start, end] == 1 else 'boxes cover'} it (exercise 10.1): is a partial row cut into rows or runs of the "
             f"last dimension, rather than into the same three parts one dimension down (the rest of a row, whole "
             f"rows, the start of a row)?")
 
