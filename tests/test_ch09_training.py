@@ -40,6 +40,7 @@ from minifsdp.models import Block, GPTConfig, TinyGPT, init_weights
 from minifsdp.reports.options import CONFIG, checkpointing
 from minifsdp.state_dict import get_full_state_dict
 from minifsdp.train import OPTIMIZERS, STRATEGIES, batch, build_model, loss_of, max_abs_diff
+from minifsdp.zero.clip import clip_sharded_grad_norm_
 from per_world_size import PerWorldSize
 
 WORLD_SIZES = (1, 2, 3, 4)
@@ -113,6 +114,51 @@ def clipped(kind, norm_type):
         opt.step()
         opt.zero_grad()
     return _params(kind, model, net), norms, sent
+
+
+# -- the norm from the shards, for any p (exercise 9.2's contract, apart from any strategy) --------------------------
+NORM_TYPES = (0.5, 1.0, 2.0, 3.0, float("inf"))
+
+
+def whole_gradient(zero=False):
+    """The same 1,000 elements on every rank, the largest |g_i| near the end (on the last rank of most cuts)."""
+    g = torch.randn(1000, generator=torch.Generator().manual_seed(9))
+    g[997] = -7.5
+    return torch.zeros(1000) if zero else g
+
+
+def cut(g, how, n, r):
+    """Rank r's slices of g, cut across n ranks in one of several ways: the function must not care how."""
+    if how in ("even shards", "zeros"):  # FSDP: one flat shard each, the padding zero
+        shard = -(-g.numel() // n)
+        return [torch.cat([g, g.new_zeros(shard * n - g.numel())])[r * shard: (r + 1) * shard].clone()]
+    tensors = [g[:300].view(20, 15), g[300:500].view(10, 20), g[500:750].view(25, 10), g[750:]]
+    if how == "whole tensors":  # OSS, SDP: each rank the gradients of the parameters it owns
+        return [t.clone() for i, t in enumerate(tensors) if i % n == r]
+    if how == "all on the last rank":  # the others hold nothing at all
+        return [t.clone() for t in tensors] if r == n - 1 else []
+    bounds = [0, 1, 50, 51, 400, 999, 1000]  # "uneven pieces": 1 to 6 pieces a rank, of 1 to 349 elements
+    pieces = [g[a:b] for a, b in zip(bounds, bounds[1:])]
+    return [t.clone() for i, t in enumerate(pieces) if i * n // len(pieces) == r]
+
+
+CUTS = ("even shards", "whole tensors", "all on the last rank", "uneven pieces", "zeros")
+
+
+def sharded_norms():
+    """clip_sharded_grad_norm_ called on each cut, for each p: what it returned (nothing to clip: max_norm is
+    far above every norm), what crossed `comm`, and the whole gradient's norm, in fp64."""
+    n, r = dist.get_world_size(), dist.get_rank()
+    out = {}
+    for how in CUTS:
+        g = whole_gradient(zero=how == "zeros")
+        for p in NORM_TYPES:
+            grads = cut(g, how, n, r)
+            with comm.counting() as counter:
+                total = clip_sharded_grad_norm_(grads, 1e9, p)
+            out[how, p] = {"total": total.detach().clone(), "want": float(torch.linalg.vector_norm(g.double(), p)),
+                           "tensors": len(grads), "sent": (dict(counter.calls), dict(counter.bytes))}
+    return out
 
 
 def no_sync_memory():
@@ -226,6 +272,7 @@ def chapter_cases():
     for norm_type in (2.0, float("inf")):
         for kind in ("ddp", "fsdp", "oss", "sdp"):
             out[("clip", kind, norm_type)] = clipped(kind, norm_type)
+    out["norms"] = sharded_norms()
     out["memory"] = no_sync_memory()
     for order, reentrant in [("none", False), ("fsdp(ckpt)", False), ("fsdp(ckpt)", True), ("ckpt(fsdp)", False),
                              ("ckpt(fsdp)", True)]:
@@ -250,7 +297,12 @@ def ranks():
 def test_no_sync_accumulation_equals_ddps(ranks, n, opt):
     for r in range(n):
         ours, ddp = ranks[n][r][("accumulate", "fsdp", opt)], ranks[n][r][("accumulate", "ddp", opt)]
-        assert max_abs_diff(ours, ddp) <= EXACT[n]
+        diff = max_abs_diff(ours, ddp)
+        assert diff <= EXACT[n], (
+            f"N = {n}, rank {r}, {opt}: after {STEPS} steps of {MICRO} micro-batches, FSDP with no_sync() is {diff:.3g} "
+            f"from torch's DDP with its no_sync(), expected at most {EXACT[n]:g} (exercise 9.1): is every "
+            f"micro-batch's full gradient added to what was kept, and is the sum added in before the one "
+            f"reduce-scatter? Reducing each micro-batch and adding the shards rounds differently.")
 
 
 @pytest.mark.parametrize("n", WORLD_SIZES)
@@ -278,7 +330,11 @@ def test_reducing_every_micro_batch_equals_it_too(ranks, n, opt):
 def test_accumulation_equals_one_process_on_the_whole_batch(ranks, n, opt):
     single = ranks[n][0][("single", opt)]
     for kind in ("fsdp", "fsdp_sync_each", "ddp"):
-        assert max_abs_diff(ranks[n][0][("accumulate", kind, opt)], single) <= 1e-5, kind
+        diff = max_abs_diff(ranks[n][0][("accumulate", kind, opt)], single)
+        assert diff <= 1e-5, (
+            f"N = {n}, {opt}: {kind} after {STEPS} steps of {MICRO} micro-batches is {diff:.3g} from one process on "
+            f"the whole batch, expected at most 1e-5 (exercise 9.1): does a backward inside no_sync() add to the "
+            f"kept gradient rather than replace it, and does the next one outside fold it in?")
 
 
 @pytest.mark.exercise("9.2")
@@ -289,8 +345,16 @@ def test_clipping_sharded_gradients_equals_clipping_full_ones(ranks, n, norm_typ
     for r in range(n):
         (ours, our_norms, _), (ddp, ddp_norms, _) = (ranks[n][r][("clip", k, norm_type)] for k in (kind, "ddp"))
         assert all(d > MAX_NORM[norm_type] for d in ddp_norms), "max_norm must be below the norms, or nothing is clipped"
-        assert our_norms == pytest.approx(ddp_norms, rel=1e-5)
-        assert max_abs_diff(ours, ddp) <= 1e-6
+        assert our_norms == pytest.approx(ddp_norms, rel=1e-5), (
+            f"N = {n}, rank {r}, {kind}, p = {norm_type:g}: the norms of {CLIP_STEPS} steps were "
+            f"{', '.join(f'{x:.6g}' for x in our_norms)}, torch's clip_grad_norm_ on the full gradients "
+            f"{', '.join(f'{x:.6g}' for x in ddp_norms)} (exercise 9.2): is it the norm of this rank's slices "
+            f"alone, or the ranks' norms added up? For p = inf, the largest |g_i| of any rank.")
+        diff = max_abs_diff(ours, ddp)
+        assert diff <= 1e-6, (
+            f"N = {n}, rank {r}, {kind}, p = {norm_type:g}: after {CLIP_STEPS} clipped SGD steps the parameters are "
+            f"{diff:.3g} from torch's DDP, expected at most 1e-6 (exercise 9.2): does every rank return the same norm, "
+            f"so that every slice is scaled by the same coefficient?")
 
 
 @pytest.mark.mechanism
@@ -301,9 +365,64 @@ def test_clipping_sharded_gradients_equals_clipping_full_ones(ranks, n, norm_typ
 def test_clipping_sends_one_number(ranks, n, norm_type, kind):
     """Each clip: one all-reduce of one fp32 number (each rank's partial sum, or its max), through comm --
     2 x 4 (N-1)/N bytes -- however many gradients the rank holds, and nothing else."""
+    one = ({"all_reduce": 1}, {"all_reduce": 2 * 4 * (n - 1) / n})
     for r in range(n):
         _, _, sent = ranks[n][r][("clip", kind, norm_type)]
-        assert sent == [({"all_reduce": 1}, {"all_reduce": 2 * 4 * (n - 1) / n})] * CLIP_STEPS
+        for step, (calls, sent_bytes) in enumerate(sent):
+            assert (calls, sent_bytes) == one, (
+                f"N = {n}, rank {r}, {kind}, p = {norm_type:g}: clip {step + 1} issued {calls or 'nothing'} through "
+                f"comm, sending {_bytes(sent_bytes)}, expected one all_reduce of one fp32 number, "
+                f"{_bytes(one[1])} (exercise 9.2): does each rank send its gradients, a number per gradient, or "
+                f"gather every rank's number, rather than reduce one number that stands for its whole slice?")
+
+
+@pytest.mark.exercise("9.2")
+@pytest.mark.parametrize("n", WORLD_SIZES)
+def test_the_norm_is_the_whole_gradients_however_it_is_cut(ranks, n):
+    """For any p > 0 and p = inf, however the gradient is cut into slices (one flat shard a rank, whole tensors
+    of several shapes, uneven pieces, everything on one rank and nothing on the others), every rank returns
+    the norm of the whole gradient, as one 0-dim tensor, the same on every rank to the last bit."""
+    for how in CUTS:
+        for p in NORM_TYPES:
+            first = ranks[n][0]["norms"][how, p]["total"]
+            for r in range(n):
+                res = ranks[n][r]["norms"][how, p]
+                total, want = res["total"], res["want"]
+                assert isinstance(total, torch.Tensor) and total.dim() == 0, (
+                    f"N = {n}, rank {r}, p = {p:g}: the norm is {total!r}, expected a 0-dim tensor (exercise 9.2)")
+                assert float(total) == pytest.approx(want, rel=1e-5), (
+                    f"N = {n}, rank {r}, p = {p:g}, the gradient cut as '{how}' ({res['tensors']} tensors on this "
+                    f"rank): the norm is {float(total):.7g}, the whole gradient's is {want:.7g} (exercise 9.2): is it "
+                    f"the norm of this rank's slices alone, the ranks' norms added up, or the 1/p power taken before "
+                    f"the ranks' parts are combined? A rank that holds nothing still takes part.")
+                assert torch.equal(total, first), (
+                    f"N = {n}, p = {p:g}, cut as '{how}': rank {r}'s norm is {float(total)!r}, rank 0's "
+                    f"{float(first)!r} (exercise 9.2): every rank must compute the same number, bit for bit, or the "
+                    f"ranks scale their slices by different coefficients")
+
+
+@pytest.mark.mechanism
+@pytest.mark.exercise("9.2")
+@pytest.mark.parametrize("n", WORLD_SIZES)
+def test_the_norm_sends_one_number_however_the_gradient_is_cut(ranks, n):
+    """One all-reduce of one fp32 number through comm, 2 x 4 (N-1)/N bytes, for every p and whether the rank
+    holds one tensor, several, or none."""
+    one = ({"all_reduce": 1}, {"all_reduce": 2 * 4 * (n - 1) / n})
+    for how in CUTS:
+        for p in NORM_TYPES:
+            for r in range(n):
+                res = ranks[n][r]["norms"][how, p]
+                calls, sent_bytes = res["sent"]
+                assert (calls, sent_bytes) == one, (
+                    f"N = {n}, rank {r}, p = {p:g}, the gradient cut as '{how}' ({res['tensors']} tensors on this "
+                    f"rank): the norm issued {calls or 'nothing'} through comm, sending {_bytes(sent_bytes)}, "
+                    f"expected one all_reduce of one fp32 number, {_bytes(one[1])} (exercise 9.2): one reduction of "
+                    f"one number, not a gather of every rank's number or of the gradients: which number can each "
+                    f"rank send, whatever it holds, so that one reduction gives every rank the whole norm?")
+
+
+def _bytes(sent: dict) -> str:
+    return ", ".join(f"{kind} {b:,.0f} B" for kind, b in sent.items()) or "0 B"
 
 
 @pytest.mark.mechanism
@@ -315,9 +434,21 @@ def test_no_sync_sends_nothing_and_keeps_each_units_full_gradient(ranks, n):
     reduce-scatters each unit once."""
     for r in range(n):
         m = ranks[n][r]["memory"]
-        assert set(m["inside"]) == {"all_gather"}, m["inside"]
-        assert m["held"] == [(full, True, True) for full in m["full"]]
-        assert m["synced"].get("reduce_scatter") == len(m["full"]) and "all_reduce" not in m["synced"], m["synced"]
+        assert set(m["inside"]) == {"all_gather"}, (
+            f"N = {n}, rank {r}: a backward inside no_sync() issued {m['inside']}, expected all-gathers only "
+            f"(exercise 9.1): inside the block nothing is reduced; each unit keeps its gradient and returns True, "
+            f"so that the runtime sends nothing")
+        for i, (held, full) in enumerate(zip(m["held"], m["full"])):
+            assert held == (full, True, True), (
+                f"N = {n}, rank {r}: after a backward inside no_sync(), flat parameter {i} keeps "
+                f"{'nothing' if held is None else f'a tensor of shape {held[0]} (dtype kept: {held[1]}, .grad None: {held[2]})'} "
+                f"in unsharded_grad, expected its whole padded flat gradient, shape {full}, in its own dtype, with "
+                f".grad None (exercise 9.1): is the full gradient taken off .grad and kept whole, not its shard?")
+        units, calls = len(m["full"]), m["synced"]
+        assert calls.get("reduce_scatter") == units and "all_reduce" not in calls, (
+            f"N = {n}, rank {r}: the first backward after no_sync() issued {calls}, expected one reduce_scatter per "
+            f"flat parameter, {units}, and no all_reduce (exercise 9.1): outside the block, the kept sum is added "
+            f"into the new full gradient and sent once")
 
 
 @pytest.mark.mechanism
@@ -325,8 +456,17 @@ def test_no_sync_sends_nothing_and_keeps_each_units_full_gradient(ranks, n):
 @pytest.mark.parametrize("n", WORLD_SIZES)
 def test_no_sync_keeps_the_unsharded_gradients_and_the_next_backward_drops_them(ranks, n):
     m = ranks[n][0]["memory"]
-    assert m["kept"] == 4 * m["padded"]  # every unit's full flat gradient: 4Ψ (padded)
-    assert m["left"] == 0 and (m["after"] < m["kept"] or n == 1)  # at N = 1 a shard is the whole
+    assert m["kept"] == 4 * m["padded"], (  # every unit's full flat gradient: 4Ψ (padded)
+        f"N = {n}: a backward inside no_sync() left {m['kept']:,} B more alive, expected every unit's padded flat "
+        f"gradient, {4 * m['padded']:,} B (exercise 9.1): "
+        + ("is only the shard kept, or nothing?" if m["kept"] < 4 * m["padded"] else
+           "is the gradient kept twice, once in unsharded_grad and once in .grad, or its shard kept beside it?"))
+    assert m["left"] == 0, (
+        f"N = {n}: after the next backward outside no_sync(), {m['left']} flat parameters still keep an unsharded "
+        f"gradient, expected none (exercise 9.1): once the kept sum is added in, let it go")
+    assert m["after"] < m["kept"] or n == 1, (  # at N = 1 a shard is the whole
+        f"N = {n}: after the next backward outside no_sync(), {m['after']:,} B more are alive than before, not less "
+        f"than the {m['kept']:,} B held inside (exercise 9.1): the kept full gradients must go once reduced")
 
 
 def test_clip_grad_norm_is_for_the_root():

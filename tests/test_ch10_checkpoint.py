@@ -248,6 +248,26 @@ def compare(a: dict, b: dict) -> dict:
             "optim": max((max_diff(sa[n], sb[n]) for n in sa), default=0.0)}
 
 
+def differs(a, b, at="") -> str:
+    """What tells two checkpoints (nested dicts of tensors) apart, in words: a key in one only, a shape or dtype,
+    or the largest difference and where."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        if a.keys() != b.keys():
+            return f"{at or 'the checkpoint'}: keys in one only: {sorted(map(str, set(a) ^ set(b)))[:6]}"
+        worst = [differs(a[k], b[k], f"{at}.{k}" if at else str(k)) for k in a]
+        return next((w for w in worst if not w.startswith("0 ")), "0 apart")
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        if (a.shape, a.dtype) != (b.shape, b.dtype):
+            return f"{at}: {tuple(a.shape)} {a.dtype} against {tuple(b.shape)} {b.dtype}"
+        d = float((a.double() - b.double()).abs().max()) if a.numel() else 0.0
+        return f"{at}: {d:.3g} apart" if d else "0 apart"
+    return "0 apart" if a == b else f"{at}: {a!r} against {b!r}"
+
+
+BOXES_HINT = ("(exercises 10.1, 10.2): do the boxes name the elements each rank's shard holds, and are this rank's "
+              "boxes views into its shard, so that a load writes into it?")
+
+
 def identical(a, b) -> bool:
     if isinstance(a, dict):
         return isinstance(b, dict) and a.keys() == b.keys() and all(identical(a[k], b[k]) for k in a)
@@ -263,12 +283,18 @@ def test_resume_equals_the_uninterrupted_run(root, runs, resumed, job):
     continuous = uninterrupted_at(root, src, optim, n)
     after = plain(resumed_dir(root, job) / f"step_{STOP:08d}")
     diff = compare(continuous, after)
+    hint = BOXES_HINT if {src, dst} & FLAT else "(what the strategy's state_dict gives must be all it holds)"
     if (n, dst) == (m, src):
-        assert diff == {"model": 0.0, "optim": 0.0}
-        assert identical(continuous, after)  # generators, step, extra, hyper-parameters, buckets too
+        assert diff == {"model": 0.0, "optim": 0.0}, (
+            f"{_id(job)}: resumed, the parameters end {diff['model']:.3g} and the optimizer state {diff['optim']:.3g} "
+            f"from the run that never stopped, expected the same bits {hint}")
+        assert identical(continuous, after), (  # generators, step, extra, hyper-parameters, buckets too
+            f"{_id(job)}: the resumed run's checkpoint is not the uninterrupted one's: {differs(continuous, after)}")
     else:
         tol = TOL["bf16" if CONFIGS[src][1] else "fp32"]
-        assert diff["model"] <= tol and diff["optim"] <= tol, diff
+        assert diff["model"] <= tol and diff["optim"] <= tol, (
+            f"{_id(job)}: resumed, the parameters end {diff['model']:.3g} and the optimizer state {diff['optim']:.3g} "
+            f"from the run that never stopped, expected at most {tol:g} {hint}")
 
 
 # -- 8, 9: random generators, step and extra --------------------------------------------------------------------
@@ -297,7 +323,10 @@ def test_load_returns_step_extra_strategy_and_world_size(resumed, job):
                                                            marks=BOXES if run[0] in FLAT else ()) for run in RUNS])
 def test_checkpoint_holds_the_full_parameters(root, runs, config, optim, n):
     saved = uninterrupted_at(root, config, optim, n)["model"]
-    assert identical(saved, runs[n][0][config, optim]["full"])
+    full = runs[n][0][config, optim]["full"]
+    assert identical(saved, full), (
+        f"{config}-{optim} at N = {n}: the checkpoint's parameters are not the model's: {differs(full, saved)} "
+        + (BOXES_HINT if config in FLAT else ""))
 
 
 @BOXES
@@ -570,7 +599,9 @@ def test_fsdp_checkpoints_load_across_wrappings(tmp_path, src, dst):
     units_after = launch(load_and_save_again, world_size=3, args=(tmp_path / "a", dst, tmp_path / "b"))[0]
     assert units != units_after  # the layouts differ: other units, other shards
     a, b = plain(tmp_path / "a"), plain(tmp_path / "b")
-    assert identical(a["model"], b["model"]) and identical(a["optim"], b["optim"])
+    assert identical(a["model"], b["model"]) and identical(a["optim"], b["optim"]), (
+        f"saved at N = 2 with {src}, loaded at N = 3 with {dst} and saved again: the two checkpoints differ, "
+        f"{differs(a, b)} {BOXES_HINT}")
 
 
 # -- every N -> M: a load, then a save, gives back the same checkpoint ---------------------------------------------
@@ -596,4 +627,6 @@ def saved_again(root, runs):
 def test_every_world_size_loads_every_other_exactly(saved_again, n, m):
     before = uninterrupted_at(saved_again, "fsdp", "adamw", n, START)
     after = plain(Path(saved_again) / f"again-fsdp-adamw-n{n}-m{m}")
-    assert identical(before["model"], after["model"]) and identical(before["optim"], after["optim"])
+    assert identical(before["model"], after["model"]) and identical(before["optim"], after["optim"]), (
+        f"FSDP's checkpoint saved at N = {n}, loaded at N = {m} and saved again differs from it: "
+        f"{differs({k: before[k] for k in ('model', 'optim')}, {k: after[k] for k in ('model', 'optim')})} {BOXES_HINT}")

@@ -346,14 +346,29 @@ def test_sharded_state_dict_is_views_into_the_shards_with_no_collective(ranks, n
     full_keys = list(ranks[n][0]["sharded"]["full"])
     for r in range(n):
         res = ranks[n][r]["sharded"]
-        assert res["collectives"] == [] and res["load collectives"] == []
-        assert all(res["views, right elements"].values()) and all(res["plain, right value"].values())
+        assert res["collectives"] == [] and res["load collectives"] == [], (
+            f"N = {n}, rank {r}: SHARDED_STATE_DICT issued the c10d ops {res['collectives'] or 'none'} to save and "
+            f"{res['load collectives'] or 'none'} to load, expected none (exercise 10.2): every rank's boxes follow "
+            f"from the layout, so no rank asks another for them")
+        wrong = [k for k, ok in {**res["views, right elements"], **res["plain, right value"]}.items() if not ok]
+        assert not wrong, (
+            f"N = {n}, rank {r}: the pieces of {wrong} are not views into the unit's flat shard holding the "
+            f"elements their boxes name (exercise 10.2): a copy loads into nothing; is each view cut at the box's "
+            f"place in the shard?")
         for k, kind in res["types"].items():
-            assert kind == ("ShardedTensor" if k != "scale" and not k.endswith("gate") else "Tensor"), k
+            expected = "ShardedTensor" if k != "scale" and not k.endswith("gate") else "Tensor"
+            assert kind == expected, (
+                f"N = {n}, rank {r}: {k} is a {kind} in the sharded state dict, expected a {expected} (exercise "
+                f"10.2): a parameter of a flat shard is a ShardedTensor of its boxes, a 0-dim one a plain tensor on "
+                f"the rank that holds its element, a buffer a plain tensor")
     # every parameter on some rank; a 0-dim one on exactly one (the rank whose shard holds its element)
     for k in full_keys:
         holders = [r for r in range(n) if k in ranks[n][r]["sharded"]["types"]]
-        assert holders == ([holders[0]] if k.endswith("gate") else list(range(n))), k
+        expected = [holders[0]] if k.endswith("gate") and holders else list(range(n))
+        assert holders == expected, (
+            f"N = {n}: {k} is in the sharded state dicts of ranks {holders}, expected "
+            f"{'one rank' if k.endswith('gate') else expected} (exercise 10.2): a 0-dim parameter is one element, "
+            f"on the one rank whose shard holds it; every other tensor is described on every rank")
 
 
 @pytest.mark.exercise("10.1", "10.2")
@@ -361,9 +376,12 @@ def test_sharded_state_dict_is_views_into_the_shards_with_no_collective(ranks, n
 def test_sharded_state_dict_loads_in_place_and_refuses_another_layout(ranks, n):
     for r in range(n):
         res = ranks[n][r]["sharded"]
-        assert res["load"] == "<All keys matched successfully>"
+        assert res["load"] == "<All keys matched successfully>", f"N = {n}, rank {r}: the load said {res['load']}"
         assert max_abs_diff(res["other before"], res["full"]) > 0  # it held other weights ...
-        assert max_abs_diff(res["other after"], res["full"]) == 0.0  # ... and now holds these, exactly
+        assert max_abs_diff(res["other after"], res["full"]) == 0.0, (  # ... and now holds these, exactly
+            f"N = {n}, rank {r}: after loading the sharded state dict, the model is "
+            f"{max_abs_diff(res['other after'], res['full']):.3g} away from the one saved, expected exactly it "
+            f"(exercise 10.2): are the pieces views into the shard, so that a load writes into it?")
         error = res["other layout"]
         assert error is not None and "nothing was loaded" in error and "blocks.0.fc.weight" in error, error
         assert res["other layout unchanged"] == 0.0
@@ -382,7 +400,11 @@ def test_use_dtensor_gives_shard0_dtensors_one_unit_at_a_time(ranks, n):
 @pytest.mark.exercise("10.1", "10.2")
 def test_sharded_checkpoint_from_two_ranks_loads_at_three(ranks):
     for r in range(3):
-        assert max_abs_diff(ranks[3][r]["sharded"]["from N = 2"], ranks[2][0]["sharded"]["full"]) == 0.0
+        diff = max_abs_diff(ranks[3][r]["sharded"]["from N = 2"], ranks[2][0]["sharded"]["full"])
+        assert diff == 0.0, (
+            f"rank {r} of 3 loaded the sharded checkpoint saved at N = 2 {diff:.3g} away from the model saved, "
+            f"expected exactly it (exercises 10.1, 10.2): do the boxes of both world sizes name the right elements "
+            f"of each tensor, and are this rank's boxes views into its shard?")
 
 
 # -- optimizer state dicts ----------------------------------------------------------------------------------------
