@@ -176,9 +176,10 @@ def test_micro_batches_in_flight_by_the_order(name, p, m, v):
         if name == "gpipe":
             assert held == m, f"GPipe on rank {r} of {p} held {held} micro-batches at its peak, expected all {m}"
             continue
+        what = "(stage, micro-batch) pieces'" if name == "interleaved" else "micro-batches'"
         assert held <= most, (
             f"the {name} order of rank {r} of {p} (m = {m}{f', v = {v}' if name == 'interleaved' else ''}) holds "
-            f"{held} micro-batches' activations at its peak (forwards run, backwards not yet), expected at most "
+            f"{held} {what} activations at its peak (forwards run, backwards not yet), expected at most "
             f"{most}{_where(name)}: does it run more forwards before its first backward than the time micro-batch 0 "
             f"takes to come back, or admit a new micro-batch without freeing one? "
             f"The order: {_fmt(order)}")
