@@ -102,6 +102,10 @@ def test_equals_ddp(runs, kind):
         assert max(float((got[k] - ref[k]).abs().max()) for k in ref) <= 1e-6
 
 
+def _bytes(by_kind):
+    return ", ".join(f"{k} {b:,.0f} B" for k, b in sorted(by_kind.items())) or "nothing"
+
+
 @pytest.mark.mechanism
 @pytest.mark.exercise("11.1", "11.2")
 def test_hsdp_bytes_in_and_across_the_rows_match_the_ring_model(runs):
@@ -112,8 +116,15 @@ def test_hsdp_bytes_in_and_across_the_rows_match_the_ring_model(runs):
             shard["all_gather"] += (1 if is_root else 2) * comm.ring_bytes("all_gather", nbytes, n_shard)
             shard["reduce_scatter"] += comm.ring_bytes("reduce_scatter", nbytes, n_shard)
             across += comm.ring_bytes("all_reduce", nbytes // n_shard, 2)
-        assert res["sent"]["shard"] == pytest.approx(shard)
-        assert res["sent"]["replicate"] == pytest.approx({"all_reduce": across})
+        got = res["sent"]["shard"]
+        assert got == pytest.approx(shard), (
+            f"HSDP rank {r} sent {_bytes(got)} in its shard group (rows of 2), expected {_bytes(shard)}: each block "
+            f"gathered twice and reduce-scattered once, each of its padded gradients' bytes (exercise 11.2: one "
+            f"reduce-scatter per module, not an all-reduce)")
+        got = res["sent"]["replicate"]
+        assert got == pytest.approx({"all_reduce": across}), (
+            f"HSDP rank {r} sent {_bytes(got)} across the rows, expected all_reduce {across:,.0f} B: one all-reduce "
+            f"of this rank's shard of each module, not of the whole gradient (exercise 11.2)")
 
 
 @pytest.mark.mechanism
@@ -124,9 +135,16 @@ def test_replicate_sends_the_root_by_all_reduce_only(runs):
     assert len(root) == 1 and root[0][0] == 1  # the root's parameters: shards of one rank, whole everywhere
     blocks = sum(b for n, b, is_root in res["layout"] if not is_root)
     across = sum(v.get("all_reduce", 0.0) for v in res["sent"].values())
-    assert across == pytest.approx(comm.ring_bytes("all_reduce", root[0][1], 4))
+    want = comm.ring_bytes("all_reduce", root[0][1], 4)
+    assert across == pytest.approx(want), (
+        f"replicate on the root sent {across:,.0f} B by all-reduce, expected {want:,.0f} B: one all-reduce of the "
+        f"root's {root[0][1]:,} B of gradients and none for the sharded blocks (exercise 11.2: a block's gradients "
+        f"go by one reduce-scatter)")
     gathered = sum(v.get("all_gather", 0.0) for v in res["sent"].values())
-    assert gathered == pytest.approx(2 * comm.ring_bytes("all_gather", blocks, 4))  # the root's "gather" of one: 0
+    want = 2 * comm.ring_bytes("all_gather", blocks, 4)  # the root's "gather" of one: 0
+    assert gathered == pytest.approx(want), (
+        f"the blocks' all-gathers sent {gathered:,.0f} B, expected {want:,.0f} B: each block gathered twice "
+        f"(forward, backward), each rank's padded rows (exercise 11.1)")
 
 
 def test_flat_hybrid_shard_equals_torchs_and_sends_each_shard_across_once(runs):

@@ -482,7 +482,9 @@ def mechanism_run():
     shards = []
     for p in [p for g in groups for p in g.params]:
         storage = p.padded.untyped_storage()
-        shards.append({"d0": p.shape[0], "rows": p.padded.shape[0],
+        module, name = p.places[0]
+        shards.append({"name": f"{type(module).__name__}.{name}", "d0": p.shape[0], "rows": p.padded.shape[0],
+                       "bytes": storage.nbytes(), "padded_bytes": p.padded.numel() * p.padded.element_size(),
                        # its own memory, the padded rows and nothing more ...
                        "own": storage.nbytes() == p.padded.numel() * p.padded.element_size(),
                        # ... and the DTensor the optimizer steps is a view of it
@@ -548,13 +550,20 @@ def each_rank(ranks, n, key):
     return [ranks[n][r][key] for r in range(n)]
 
 
+def _same_as_torch(d, what):
+    """A failure message for a run that should end where torch's fully_shard does, bit for bit."""
+    return (f"{what}: losses {d['losses']:.3g} and parameters {d['params']:.3g} from torch's fully_shard after the same "
+            f"steps, expected 0.0 (exercises 11.1, 11.2): does a rank hold the wrong rows (11.1), or does slot q of "
+            f"the reduce-scatter's input not hold rank q's rows of every gradient, in the order of the shard (11.2)?")
+
+
 # -- the tests ------------------------------------------------------------------------------------------------------
 @pytest.mark.exercise("11.1", "11.2")
 @pytest.mark.parametrize("n", WORLD_SIZES)
 @pytest.mark.parametrize("case", PARITY, ids="-".join)
 def test_parity_with_torch_fully_shard(ranks, n, case):
-    for d in each_rank(ranks, n, ("torch", *case)):
-        assert d == {"losses": 0.0, "params": 0.0}
+    for r, d in enumerate(each_rank(ranks, n, ("torch", *case))):
+        assert d == {"losses": 0.0, "params": 0.0}, _same_as_torch(d, f"{'-'.join(case)} on rank {r} of {n}")
 
 
 @pytest.mark.exercise("11.1", "11.2")
@@ -563,8 +572,13 @@ def test_parity_with_torch_fully_shard(ranks, n, case):
 def test_parity_with_torch_ddp(ranks, n, opt):
     for ours, torchs in zip(each_rank(ranks, n, ("ddp", opt)), each_rank(ranks, n, ("ddp_vs_torch", opt))):
         params_atol, losses_atol = ddp_atol(n, opt)
-        assert ours["params"] <= params_atol and ours["losses"] <= losses_atol, ours
-        assert ours == torchs  # torch's fully_shard is exactly as far from DDP: the reduction order, not a bug
+        assert ours["params"] <= params_atol and ours["losses"] <= losses_atol, (
+            f"{opt} at N = {n}: parameters {ours['params']:.3g} and losses {ours['losses']:.3g} from torch's DDP, "
+            f"expected within {params_atol:g} and {losses_atol:g} (exercises 11.1, 11.2)")
+        # torch's fully_shard is exactly as far from DDP: the reduction order, not a bug
+        assert ours == torchs, (
+            f"{opt} at N = {n}: {ours} from torch's DDP, where torch's fully_shard is {torchs} from it "
+            f"(exercises 11.1, 11.2): the same average summed in another order?")
 
 
 @pytest.mark.exercise("11.1", "11.2")
@@ -572,7 +586,7 @@ def test_parity_with_torch_ddp(ranks, n, opt):
 @pytest.mark.parametrize("policy", list(POLICIES))
 def test_mixed_precision_as_torch(ranks, n, policy):
     for d, vs_fp32 in zip(each_rank(ranks, n, ("mp", policy)), each_rank(ranks, n, ("mp_vs_fp32", policy))):
-        assert d == {"losses": 0.0, "params": 0.0}
+        assert d == {"losses": 0.0, "params": 0.0}, _same_as_torch(d, f"mixed precision {policy} at N = {n}")
         assert vs_fp32 > 0  # (it did compute in bf16)
 
 
@@ -583,21 +597,22 @@ def test_mixed_precision_as_torch(ranks, n, policy):
 def test_meta_device_init_equals_eager(ranks, n, impl, unshard):
     for d, tied in zip(each_rank(ranks, n, ("meta", impl, unshard)), each_rank(ranks, n, ("meta_tied", impl, unshard))):
         assert tied  # to_empty kept the embedding and the head one parameter
-        assert d == {"losses": 0.0, "params": 0.0}
+        assert d == {"losses": 0.0, "params": 0.0}, _same_as_torch(d, f"meta-device build ({impl}) at N = {n}")
 
 
 @pytest.mark.exercise("11.1", "11.2")
 @pytest.mark.parametrize("n", WORLD_SIZES)
 def test_meta_device_init_with_reset_parameters_as_torch(ranks, n):
     for d in each_rank(ranks, n, "meta_reset"):
-        assert d == {"losses": 0.0, "params": 0.0}
+        assert d == {"losses": 0.0, "params": 0.0}, _same_as_torch(d, f"meta-device reset_parameters at N = {n}")
 
 
 @pytest.mark.exercise("11.1", "11.2")
 @pytest.mark.parametrize("n", WORLD_SIZES)
 def test_gradient_accumulation_without_sync(ranks, n):
     for r in range(n):
-        assert ranks[n][r][("accumulation", "torch")] == {"losses": 0.0, "params": 0.0}
+        d = ranks[n][r][("accumulation", "torch")]
+        assert d == {"losses": 0.0, "params": 0.0}, _same_as_torch(d, f"accumulation without sync at N = {n}")
         ddp = ranks[n][r][("accumulation", "ddp")]
         params_atol, losses_atol = ddp_atol(n, "sgd")  # (accumulation_run steps SGD)
         assert ddp["losses"] <= losses_atol and ddp["params"] <= params_atol, ddp
@@ -607,7 +622,8 @@ def test_gradient_accumulation_without_sync(ranks, n):
 @pytest.mark.parametrize("n", WORLD_SIZES)
 def test_clip_grad_norm_on_dtensors(ranks, n):
     for r in range(n):
-        assert ranks[n][r]["clip"] == {"losses": 0.0, "params": 0.0}
+        d = ranks[n][r]["clip"]
+        assert d == {"losses": 0.0, "params": 0.0}, _same_as_torch(d, f"clip_grad_norm_ at N = {n}")
         norm_diff, smallest = ranks[n][r]["clip_norms"]
         assert norm_diff == 0.0 and smallest > MAX_NORM  # the same total norm, and it did clip
 
@@ -635,8 +651,18 @@ def test_each_rank_holds_only_its_padded_rows(ranks, n):
     whole parameter alive), and the parameter the optimizer steps is a view of it."""
     for r in range(n):
         for s in ranks[n][r]["mechanism"]["shards"]:
-            assert s["rows"] == -(-s["d0"] // n), s
-            assert s["own"] and s["view"], s
+            rows = -(-s["d0"] // n)
+            assert s["rows"] == rows, (
+                f"rank {r} of {n} holds {s['rows']} rows of {s['name']} ({s['d0']} rows in all), expected "
+                f"ceil({s['d0']} / {n}) = {rows} on every rank, padded with zeros where it has fewer real rows "
+                f"(exercise 11.1): is the count rounded down, or this rank's real rows kept unpadded?")
+            assert s["own"], (
+                f"rank {r} of {n}: the shard of {s['name']} keeps a storage of {s['bytes']:,} B alive, expected "
+                f"its own {s['padded_bytes']:,} B (exercise 11.1): is `padded` a view into a full-size tensor, "
+                f"which then stays alive whole on every rank?")
+            assert s["view"], (
+                f"rank {r} of {n}: the DTensor the optimizer steps for {s['name']} is not a view of the padded "
+                f"shard (exercise 11.1): the optimizer would step a copy the collectives never read")
 
 
 @pytest.mark.mechanism
@@ -648,8 +674,17 @@ def test_backward_reduce_scatters_each_group_once(ranks, n):
     the same numbers with twice the bytes)."""
     for r in range(n):
         m = ranks[n][r]["mechanism"]
-        assert m["calls"].get("reduce_scatter") == len(m["padded"]) and "all_reduce" not in m["calls"], m["calls"]
-        assert m["reduce_scatters"] == sorted((4 * numel * n) * (n - 1) / n for numel in m["padded"])
+        calls = ", ".join(f"{c} {k}" for k, c in sorted(m["calls"].items())) or "nothing"
+        assert m["calls"].get("reduce_scatter") == len(m["padded"]) and "all_reduce" not in m["calls"], (
+            f"one backward on rank {r} of {n} issued {calls}, expected {len(m['padded'])} reduce_scatter (one per "
+            f"fully_shard'ed module) and no all_reduce (exercise 11.2): an all-reduce and a slice average the same "
+            f"numbers with twice the bytes; a collective per parameter pays its latency per parameter")
+        expected = sorted((4 * numel * n) * (n - 1) / n for numel in m["padded"])
+        assert m["reduce_scatters"] == expected, (
+            f"rank {r} of {n} reduce-scattered {', '.join(f'{b:,.0f}' for b in m['reduce_scatters'])} B, expected "
+            f"{', '.join(f'{b:,.0f}' for b in expected)} B: each module's N slots of its padded rows of every "
+            f"gradient, (N - 1)/N of it on the wire (exercise 11.2): are the gradients padded to ceil(d0 / N) rows "
+            f"per rank, and every parameter of the module in the one buffer?")
 
 
 @pytest.mark.mechanism
@@ -658,11 +693,18 @@ def test_peak_memory_at_most_torchs(ranks):
     psi = sum(p.numel() for p in TinyGPT(MEMORY_CONFIG).parameters())
     block = sum(p.numel() for p in TinyGPT(MEMORY_CONFIG).blocks[0].parameters())
     peaks = [m for m in each_rank(ranks, MEMORY_N, "memory")]
-    for m in peaks:
-        assert m["ours"]["peak"] <= m["torch"]["peak"], peaks
+    for r, m in enumerate(peaks):
+        ours, torchs = m["ours"]["peak"], m["torch"]["peak"]
+        assert ours <= torchs, (
+            f"rank {r} of {MEMORY_N} peaked at {ours:,} B under minifsdp's fully_shard, above torch's {torchs:,} B "
+            f"(exercises 11.1, 11.2): does a shard keep its full parameter alive (11.1), or the copy-in keep every "
+            f"unsharded gradient until the reduce-scatter (11.2)?")
         # the meter saw the unsharded parameters: the shards (4Ψ/N bytes) and at least one block's full ones
-        assert m["ours"]["params_peak"] >= 4 * psi / MEMORY_N + 4 * block
-        assert m["torch"]["params_peak"] >= 4 * psi / MEMORY_N + 4 * block
+        least = 4 * psi / MEMORY_N + 4 * block
+        for impl in ("ours", "torch"):
+            assert m[impl]["params_peak"] >= least, (
+                f"the meter saw {m[impl]['params_peak']:,} B of parameters at most under {impl}, expected at least "
+                f"{least:,.0f} B (the shards and one block unsharded): it missed the unsharded parameters")
 
 
 def sharded_gpts():

@@ -46,7 +46,12 @@ def test_pp_table_and_gantt(tmp_path):
     results = pp.pp_results(p=p, config=TINY, batch=batch, m=m, compute_time=delays)
     assert list(results) == list(pp.SCHEDULES)
     for name, r in results.items():
-        assert r["in_flight"] == r["in_flight_predicted"], name
+        if name == "interleaved 1F1B":  # a budget: exercise 12.4 allows other orders than Megatron's
+            assert all(h <= b for h, b in zip(r["in_flight"], r["in_flight_predicted"])), (
+                f"{name} held {r['in_flight']} pieces by rank, more than Megatron's {r['in_flight_predicted']}")
+        else:
+            assert r["in_flight"] == r["in_flight_predicted"], (
+                f"{name} held {r['in_flight']} micro-batches by rank, expected {r['in_flight_predicted']}")
         assert r["sent"] == r["sent_formula"], name
         assert all(abs(b - r["formula"]) < 0.1 for b in r["bubbles"]), (name, r["bubbles"], r["formula"])
         assert all(a > 0 for a in r["activation_peak"]), name

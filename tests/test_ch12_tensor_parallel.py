@@ -500,6 +500,17 @@ def test_async_input_grad_reduction_same_bits_as_sync(ranks, t, sp):
         assert d == {"losses": 0.0, "grads": 0.0, "params": 0.0}
 
 
+def _collectives(events):
+    """[(kind, [tag,] bytes), ...] in words: "all_reduce of 480 B, ...", or "nothing"."""
+    if not events:
+        return "nothing"
+    return ", ".join(f"{e[0]} of {e[-1]:,.0f} B" + (f" ({e[1]})" if len(e) == 3 else "") for e in events)
+
+
+def _bytes(by_kind):
+    return ", ".join(f"{k} {b:,.0f} B" for k, b in sorted(by_kind.items())) or "nothing"
+
+
 @pytest.mark.mechanism
 @pytest.mark.exercise("12.1")
 @pytest.mark.parametrize("t", WORLD_SIZES)
@@ -507,10 +518,19 @@ def test_f_and_g_sum_in_two_of_their_four_passes(ranks, t):
     """f backward and g forward each all-reduce the whole tensor (480 bytes: 2 x 480 (t-1)/t on the wire), through
     comm; f forward and g backward send nothing. At t = 1 nothing at all."""
     size = 5 * 3 * 8 * 4
-    for d in each_rank(ranks, t, "passes"):
+    for r, d in enumerate(each_rank(ranks, t, "passes")):
         summed = [] if t == 1 else [("all_reduce", 2 * rho(t) * size)]
-        assert d[("f", "forward")] == [] and d[("g", "backward")] == []
-        assert d[("f", "backward")] == summed and d[("g", "forward")] == summed
+        for mapping, direction in (("f", "forward"), ("g", "backward")):
+            got = d[(mapping, direction)]
+            assert got == [], (
+                f"{mapping} {direction} on rank {r} of {t} issued {_collectives(got)}, expected nothing (exercise "
+                f"12.1): in this pass the tensor is already what every rank needs")
+        for mapping, direction in (("f", "backward"), ("g", "forward")):
+            got = d[(mapping, direction)]
+            assert got == summed, (
+                f"{mapping} {direction} on rank {r} of {t} issued {_collectives(got)} through comm, expected "
+                f"{_collectives(summed)} (exercise 12.1): this pass sums the ranks' parts of the whole {size:,} B "
+                f"tensor; is the sum made in another pass, or with torch.distributed itself, around comm's counter?")
 
 
 @pytest.mark.mechanism
@@ -519,9 +539,16 @@ def test_f_and_g_sum_in_two_of_their_four_passes(ranks, t):
 def test_vocab_parallel_loss_sends_three_numbers_per_token(ranks, t):
     """Three all-reduces of one fp32 number per token (the max, the target's logit, the sum of exponentials), 12
     tokens: 2 x 48 (t-1)/t bytes each -- not the V/t logits of each token -- and nothing in backward."""
-    for d in each_rank(ranks, t, "passes"):
-        assert d[("loss", "forward")] == ([] if t == 1 else [("all_reduce", 2 * rho(t) * 12 * 4)] * 3)
-        assert d[("loss", "backward")] == []
+    for r, d in enumerate(each_rank(ranks, t, "passes")):
+        expected = [] if t == 1 else [("all_reduce", 2 * rho(t) * 12 * 4)] * 3
+        got = d[("loss", "forward")]
+        assert got == expected, (
+            f"the vocab-parallel loss's forward on rank {r} of {t} issued {_collectives(got)}, expected "
+            f"{_collectives(expected)} (exercise 12.3): three all-reduces of one fp32 number for each of the 12 tokens; "
+            f"are the logits gathered, or a reduction made per rank or outside comm?")
+        assert d[("loss", "backward")] == [], (
+            f"the vocab-parallel loss's backward on rank {r} of {t} issued {_collectives(d[('loss', 'backward')])}, "
+            f"expected nothing (exercise 12.3): each rank's columns of softmax - onehot need no other rank")
 
 
 @pytest.mark.mechanism
@@ -530,10 +557,13 @@ def test_vocab_parallel_loss_sends_three_numbers_per_token(ranks, t):
 def test_f_and_g_collectives_of_a_block(ranks, t):
     """Without sequence parallelism and with the plain (synchronous) column path: g's two all-reduces forward, f's
     two backward, each of the whole [s, b, h] activation; nothing else."""
-    for d in each_rank(ranks, t, ("block", False, False)):
-        expected = [] if t == 1 else [("all_reduce", "g forward", 2 * rho(t) * S)] * 2
-        assert d["forward"] == expected
-        assert d["backward"] == ([] if t == 1 else [("all_reduce", "f backward", 2 * rho(t) * S)] * 2)
+    for r, d in enumerate(each_rank(ranks, t, ("block", False, False))):
+        for phase, pass_ in (("forward", "g forward"), ("backward", "f backward")):
+            expected = [] if t == 1 else [("all_reduce", pass_, 2 * rho(t) * S)] * 2
+            assert d[phase] == expected, (
+                f"a block's {phase} on rank {r} of {t} issued {_collectives(d[phase])}, expected "
+                f"{_collectives(expected)}: {pass_}'s two all-reduces of the whole activation and nothing else "
+                f"(exercise 12.1)")
 
 
 @pytest.mark.mechanism
@@ -541,11 +571,18 @@ def test_f_and_g_collectives_of_a_block(ranks, t):
 @pytest.mark.parametrize("t", WORLD_SIZES)
 def test_async_block_collectives(ranks, t):
     """The asynchronous column layers do f's backward themselves: the same two all-reduces, tagged by layer."""
-    for d in each_rank(ranks, t, ("block", False, True)):
-        assert d["forward"] == ([] if t == 1 else [("all_reduce", "g forward", 2 * rho(t) * S)] * 2)
-        assert d["backward"] == ([] if t == 1 else [
+    for r, d in enumerate(each_rank(ranks, t, ("block", False, True))):
+        expected = [] if t == 1 else [("all_reduce", "g forward", 2 * rho(t) * S)] * 2
+        assert d["forward"] == expected, (
+            f"a block's forward on rank {r} of {t} issued {_collectives(d['forward'])}, expected "
+            f"{_collectives(expected)}: g forward's two all-reduces (exercise 12.1)")
+        expected = [] if t == 1 else [
             ("all_reduce", "backward blocks.0.fc input gradient", 2 * rho(t) * S),
-            ("all_reduce", "backward blocks.0.attn.qkv input gradient", 2 * rho(t) * S)])
+            ("all_reduce", "backward blocks.0.attn.qkv input gradient", 2 * rho(t) * S)]
+        assert d["backward"] == expected, (
+            f"a block's backward on rank {r} of {t} issued {_collectives(d['backward'])}, expected "
+            f"{_collectives(expected)}: the column layers' input-gradient sums, and no second one from f backward "
+            f"(exercise 12.1)")
 
 
 @pytest.mark.parametrize("t", WORLD_SIZES)
@@ -572,15 +609,26 @@ def test_sequence_parallel_block_collectives(ranks, t, async_):
 def test_step_bytes_match_the_formula(ranks, t):
     for r in range(t):
         tp, sp = ranks[t][r][("bytes", False)], ranks[t][r][("bytes", True)]
-        assert set(tp["by_group"]) <= {"tp"} and set(sp["by_group"]) <= {"tp"}  # everything on the tp group
-        assert tp["by_group"].get("tp", {}) == ({} if t == 1 else {
-            "all_reduce": 2 * rho(t) * (S * (4 * L + 2) + 3 * P)})
-        assert sp["by_group"].get("tp", {}) == ({} if t == 1 else {
-            "all_reduce": 2 * rho(t) * (S + 3 * P + G),
-            "all_gather": rho(t) * S * (6 * L + 3),
-            "reduce_scatter": rho(t) * S * (4 * L + 1)})
+        assert set(tp["by_group"]) <= {"tp"} and set(sp["by_group"]) <= {"tp"}, (  # everything on the tp group
+            f"rank {r} of {t} sent on groups {sorted(set(tp['by_group']) | set(sp['by_group']))}, expected the "
+            f"tensor-parallel group only (exercises 12.1, 12.3): is a sum made without the group it was given?")
+        expected = {} if t == 1 else {"all_reduce": 2 * rho(t) * (S * (4 * L + 2) + 3 * P)}
+        got = tp["by_group"].get("tp", {})
+        assert got == expected, (
+            f"a step of the TP GPT on rank {r} of {t} sent {_bytes(got)}, expected {_bytes(expected)}: f's and "
+            f"g's two all-reduces per block of {S:,} B each, two more at the ends, and the loss's three of {P:,} B "
+            f"(exercise 12.1 for f and g, 12.3 for the loss's)")
+        expected = {} if t == 1 else {"all_reduce": 2 * rho(t) * (S + 3 * P + G),
+                                      "all_gather": rho(t) * S * (6 * L + 3),
+                                      "reduce_scatter": rho(t) * S * (4 * L + 1)}
+        got = sp["by_group"].get("tp", {})
+        assert got == expected, (
+            f"a step of the sequence-parallel GPT on rank {r} of {t} sent {_bytes(got)}, expected "
+            f"{_bytes(expected)} (exercises 12.1, 12.3)")
         if t > 1:
-            assert tp["calls"] == {"all_reduce": 4 * L + 2 + 3}
+            assert tp["calls"] == {"all_reduce": 4 * L + 2 + 3}, (
+                f"a step of the TP GPT on rank {r} of {t} issued {tp['calls']}, expected {4 * L + 5} all-reduces: "
+                f"4 per block, 2 at the ends, 3 for the loss (exercises 12.1, 12.3)")
 
 
 @pytest.mark.parametrize("t", WORLD_SIZES)

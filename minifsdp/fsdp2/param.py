@@ -270,15 +270,14 @@ class FSDPParamGroup:
     def reduce_scatter_grads(self,
                              grads: list[tuple[FSDPParam, torch.Tensor]]) -> None:
         """Average the unsharded gradients over the ranks, each rank keeping its own
-        shard of each. Copy-in: gradient i padded to N chunks of i's padded shard,
-        chunk q of every gradient in slot q."""
+        shard of each, with one reduce-scatter for the module's gradients."""
         if not grads:
             return
         # --8<-- [start:reduce_copy_in]
         params = [p for p, _ in grads]
         n = self.world_size
         dtype = self.reduce_dtype or grads[0][1].dtype
-        # BEGIN EXERCISE 11.2: copy rank q's rows to slot q, reduce-scatter (mean)
+        # BEGIN EXERCISE 11.2: one reduce-scatter: lay out what each rank keeps
         inp = torch.zeros(n, sum(p.padded_numel for p in params),
                           dtype=dtype, device=grads[0][1].device)
         offset = 0

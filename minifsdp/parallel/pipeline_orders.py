@@ -15,15 +15,15 @@ The schedules differ in the order each stage runs its actions ("forward micro-ba
     Schedule1F1B              p-r-1 forwards, then one forward one         (p-1)/(m+p-1)          min(p-r, m)
                               backward, then the remaining backwards
     ScheduleInterleaved1F1B   v stages per rank (r, r+p, ...), 1F1B over   (p-1)/(v*m+p-1)        min(2(p-r-1)
-                              (stage, micro-batch) in Megatron's order                            + (v-1)p + 1, v*m)
+                              (stage, micro-batch) pieces                                         + (v-1)p + 1, v*m)
 
 "In flight": micro-batches whose forward has run and whose backward has not, so whose activations the stage
 still holds. GPipe holds all m; 1F1B (PipeDream-Flush, Megatron's default) starts a backward as soon as the
 first micro-batch has come back, and from then on frees one micro-batch for each it admits: the same bubble
 for a fraction of the activation memory. Interleaving (Megatron-LM, 2021) gives each rank v thinner stages, so
 the fill and drain take slots v times shorter: the bubble shrinks by v, for v times more messages -- and for
-more activations on the first ranks: its warm-up runs (v-1)p + 2(p-r-1) forwards of 1/v-stage pieces, so rank
-0 holds about (p + (p-1)/v) micro-batches' worth where 1F1B holds p.
+more activations on the first ranks: rank 0 holds about (p + (p-1)/v) micro-batches' worth of whole-stage
+activations where 1F1B holds p.
 
 The bubble above is a share of the step's time (idle / total), which is what a measurement of one stage
 sees; Megatron's paper states the same bubble relative to the ideal time instead, (p-1)/m and (p-1)/(v*m).
@@ -59,17 +59,22 @@ def gpipe_order(rank: int, p: int, m: int) -> list[Action]:
 
 # --8<-- [start:one_f_one_b]
 def one_f_one_b_order(rank: int, p: int, m: int) -> list[Action]:
-    """1F1B on stage `rank` of p. Micro-batch 0's backward can start on this
-    stage once it has gone forward through the p - rank - 1 stages after it and
-    back: that is how many forwards there is time for first (warm-up). Then each
-    backward that frees a micro-batch is paired with a forward that admits the
-    next (steady state), and the backwards left drain (cool-down)."""
-    # BEGIN EXERCISE 12.2: 1F1B order: warm-up, forward/backward pairs, drain
+    """1F1B on stage `rank` of p: each of the stage's m forwards and m
+    backwards once, each kind in micro-batch order; at most min(p - rank, m)
+    micro-batches forward and not yet backward at any point; and, run by every
+    rank of the pipeline, no more bubble than GPipe's, (p - 1)/(m + p - 1)."""
+    # BEGIN EXERCISE 12.2: 1F1B order: GPipe's bubble, at most p - rank held
+    # Warm-up: micro-batch 0's backward reaches this stage only after it has
+    # gone forward through the p - rank - 1 stages after it and back; that is
+    # how many forwards there is time for first.
     warmup = min(p - rank - 1, m)
     order = [Action(FORWARD, rank, i) for i in range(warmup)]
+    # Steady state: each backward that frees a micro-batch is paired with a
+    # forward that admits the next, so p - rank are held at most.
     for i in range(m - warmup):
         order.append(Action(FORWARD, rank, warmup + i))
         order.append(Action(BACKWARD, rank, i))
+    # Cool-down: the backwards left.
     order += [Action(BACKWARD, rank, i) for i in range(m - warmup, m)]
     return order
     # END EXERCISE
@@ -78,17 +83,19 @@ def one_f_one_b_order(rank: int, p: int, m: int) -> list[Action]:
 
 # --8<-- [start:interleaved]
 def interleaved_order(rank: int, p: int, v: int, m: int) -> list[Action]:
-    """Megatron's interleaved 1F1B on rank `rank` of p, holding stages
-    rank, rank + p, ..., rank + (v-1)p.
-
-    The rank's k-th forward is micro-batch (k // pv) * p + k % p of its stage
-    number (k % pv) // p (a group of p micro-batches through its first stage,
-    the same group through its second, ...), and the k-th backward the same
-    micro-batch through its stages in reverse. Warm-up: before the first
-    backward (micro-batch 0 through the rank's last stage) can start,
-    micro-batch 0 must go through all its earlier stages -- (v - 1)p forwards
-    here -- and then forward through the p - rank - 1 ranks after this one and
-    back, 2(p - rank - 1) slots more."""
+    """Interleaved 1F1B on rank `rank` of p, holding stages rank, rank + p,
+    ..., rank + (v-1)p, for m micro-batches (m a multiple of p): each of the
+    rank's v*m forwards and v*m backwards once, each stage's forwards and
+    backwards in micro-batch order; at most min(2(p - rank - 1) + (v - 1)p + 1,
+    v*m) (stage, micro-batch) pieces forward and not yet backward at any point;
+    and, run by every rank, a bubble of (p - 1)/(v*m + p - 1), v times
+    thinner than 1F1B's."""
+    # BEGIN EXERCISE 12.4: interleaved order: v stages per rank, bubble / v
+    # Megatron's order. The rank's k-th forward is micro-batch
+    # (k // pv) * p + k % p through its stage number (k % pv) // p: a group of
+    # p micro-batches through its first stage, the same group through its
+    # second, ...; the k-th backward the same micro-batch through its stages
+    # in reverse.
     total = m * v
 
     def action(kind: str, k: int) -> Action:
@@ -97,7 +104,10 @@ def interleaved_order(rank: int, p: int, v: int, m: int) -> list[Action]:
             chunk = v - 1 - chunk
         return Action(kind, chunk * p + rank, (k // (p * v)) * p + k % p)
 
-    # BEGIN EXERCISE 12.4: interleaved order: warm-up, then 1F1B, then cool-down
+    # Warm-up: before the first backward (micro-batch 0 through the rank's
+    # last stage), micro-batch 0 goes through the rank's earlier stages --
+    # (v - 1)p forwards here -- then forward through the p - rank - 1 ranks
+    # after this one and back: 2(p - rank - 1) slots more.
     warmup = min(2 * (p - rank - 1) + (v - 1) * p, total)
     order = [action(FORWARD, k) for k in range(warmup)]
     for k in range(total - warmup):
