@@ -1,4 +1,4 @@
-"""Wrong solutions to the exercises of chapters 7 to 12 that still get the numbers right.
+"""Wrong solutions to the exercises of chapters 7 to 13 that still get the numbers right.
 
 Each entry is the code of one exercise block (the lines between its BEGIN and END EXERCISE markers), written
 at indentation zero: put in place of the block, at the block's indentation, it makes every test that checks
@@ -23,6 +23,8 @@ mechanism tests are what tell a right solution from a lucky one.
     12.3       every rank's V/t logits of each token all-gathered, instead of three numbers per token
     12.4       every forward of every stage, then every backward: the same gradients and even the same
                bubble, with all v*m pieces held
+    13.2       one queue for every collective, whatever its channel: right while one process group
+               communicates, HSDP's replicas queued behind its shard group
 
 One exception, in NUMERICAL_FAILURES: 9.1's bypass gets numbers a rounding away from the right ones
 (averaging each micro-batch and adding the averages is not, to the last bit, averaging their sum), and
@@ -54,6 +56,7 @@ CAUGHT_BY = {
     "12.2": ["tests/test_ch12_pipeline.py::test_micro_batches_in_flight_by_the_order[1f1b-p4-m8]"],
     "12.3": ["tests/test_ch12_tensor_parallel.py::test_vocab_parallel_loss_sends_three_numbers_per_token[2]"],
     "12.4": ["tests/test_ch12_pipeline.py::test_micro_batches_in_flight_by_the_order[interleaved-p2-m4-v2]"],
+    "13.2": ["tests/test_ch13_step_time.py::test_each_channel_is_a_fifo_of_its_own"],
 }
 
 BYPASSES = {
@@ -218,5 +221,17 @@ loss = sum_exp.log() - target_logit
 stages = [rank + c * p for c in range(v)]
 return ([Action(FORWARD, s, i) for s in stages for i in range(m)]
         + [Action(BACKWARD, s, i) for s in reversed(stages) for i in range(m)])
+''',
+
+    "13.2": '''\
+if isinstance(op, Collective):  # one queue for every collective, whatever its channel
+    start = max([now, free["all"]] + [done[t] for t in op.after])
+    done[op.tag] = free["all"] = start + op.seconds
+    spans.append(Span(op.kind, op.tag, start, start + op.seconds))
+    comm += op.seconds
+elif done[op.tag] > now:
+    spans.append(Span("wait", op.tag, now, done[op.tag]))
+    waiting += done[op.tag] - now
+    now = done[op.tag]
 ''',
 }
