@@ -1082,6 +1082,44 @@ def test_each_bypass_fails_the_mechanism_tests_that_name_it(exercise, removals):
                         f"{outcome.output[-3000:]}")
 
 
+def _region(copy: Path, exercise) -> list[str]:
+    """The lines between an exercise's markers in a copy of the project."""
+    rel = exercise.path.relative_to(REPO)
+    return next(r.body for r in scan_regions((copy / rel).read_text(encoding="utf-8"), rel)[0] if r.id == exercise.id)
+
+
+@needs_the_instructor_files
+@pytest.mark.parametrize("exercise", sorted(BYPASSES, key=lambda i: tuple(map(int, i.split(".")))))
+def test_a_bypass_costs_points_in_its_own_exercise_only(exercise, removals, monkeypatch, tmp_path):
+    """The grader on a copy holding one exercise solved the wrong way (the reference's solution elsewhere),
+    with pytest replaced by the worst a wrong solution can do: every test that runs in a copy holding it
+    fails, whatever it tests. The exercise scores nothing and every other exercise full points: no test that
+    counts for another exercise ran beside the wrong code ([Note: where a wrong solution costs points])."""
+    from minifsdp.course.runner import PytestRun
+
+    ex = next(e for e in EXERCISES if e.id == exercise)
+    reference = removals["reference"]
+    BYPASS.write_bypassed_copy(REPO, ex, BYPASSES[exercise], tmp_path / "submission")
+    wrong = _region(tmp_path / "submission", ex)
+    by_file: dict[str, list[str]] = {}
+    for t in (t for tests in reference.tests.values() for t in tests):
+        by_file.setdefault(t.id.split("::")[0], []).append(t.id)
+
+    def worst_case(copy, args, plugins, limit, keep_out=(), warm=None):
+        ids = [i for a in args if not a.startswith("-") for i in (by_file.get(a) or [a])]
+        held = _region(Path(copy), ex) == wrong
+        results = {i: {"outcome": "failed" if held else "passed", "seconds": 0.0,
+                       "cause": f"AssertionError: ran beside the wrong {exercise}" if held else None} for i in ids}
+        return PytestRun(int(held), {"results": results, "collect_errors": []}, "", 0.0, False)
+
+    monkeypatch.setattr(grading, "run_pytest", worst_case)
+    result = grade_submission(tmp_path / "submission", reference, tmp_path / "no-plugins")
+    points = {e["id"]: (e["points"], e["score"], e["max"]) for e in result["exercises"]}
+    assert points.pop(exercise)[:2] == (0.0, 0), f"the wrong {exercise} kept points: {result['exercises']}"
+    lost = {i: p for i, p in points.items() if p[0] != 100.0 or p[1] != p[2]}
+    assert not lost, f"the wrong {exercise} cost other exercises points (points, tests passed, tests): {lost}"
+
+
 def test_a_warm_run_imports_the_copys_package_and_stops_at_its_time_limit(tmp_path, plugins, bare):
     """A child of the warm interpreter is the `python -m pytest` it stands for: the package comes from the
     directory it runs in (not from the running one's), in the run and in the ranks it forks from the shared
@@ -1184,3 +1222,42 @@ def test_the_key_answers_every_why_question_as_the_page_asks_it():
             answer = section.split("**Answer.**", 1)[1]
             assert "**Grading.**" in answer and len(answer.split("**Grading.**")[0].split()) > 40, (
                 f"exercise {ex.id}: the key needs an answer and what a full answer must contain")
+
+
+# -- each exercise stated where it is, as a contract ---------------------------------------------------------
+
+CONTRACT = ("**Where.**", "**In.**", "**Out.**", "**Must hold.**", "**Graded by.**")
+
+
+def _exercise_sections() -> dict[str, tuple[str, str]]:
+    """exercise id -> (its chapter page, its section: from its `### Exercise X.Y:` heading to the next heading)."""
+    found = {}
+    for page in sorted((REPO / "chapters").glob("[0-9][0-9]_*.md")):
+        text = page.read_text(encoding="utf-8")
+        for m in re.finditer(r"^### Exercise (\d+\.\d+): .*?(?=^#{1,3} |\Z)", text, re.M | re.S):
+            assert m[1] not in found, f"exercise {m[1]} is stated twice"
+            found[m[1]] = (page.name, m[0])
+    return found
+
+
+def test_every_exercise_states_a_contract_that_names_its_file_and_function():
+    """What goes in, what must come out, what must hold and which tests grade it -- not the calls, which sit in
+    a folded hint; and where the code is: the file and the function, and where to read the listing (a student
+    reading the page's markdown sees no code: its listings are includes)."""
+    from minifsdp.reports.exercises import enclosing_function
+
+    sections = _exercise_sections()
+    for ex in EXERCISES:
+        assert ex.id in sections, f"exercise {ex.id} has no '### Exercise {ex.id}: ...' section on its page"
+        page, text = sections[ex.id]
+        assert page.startswith(f"{ex.chapter:02d}_"), f"exercise {ex.id} is stated on {page}"
+        missing = [part for part in CONTRACT if part not in text]
+        assert not missing, f"exercise {ex.id} ({page}) does not say {missing}"
+        where = text.split("**Where.**", 1)[1].split("\n\n", 1)[0]
+        path, function = ex.path.relative_to(REPO).as_posix(), enclosing_function(ex).split(".")[-1]
+        assert f"`{path}`" in where and function in where and ("listing" in where or "student site" in where), (
+            f"exercise {ex.id}: **Where.** must name `{path}`, {function} and where to read the listing: {where!r}")
+        assert f'??? tip "Hints (exercise {ex.id})"' in text, f"exercise {ex.id}: its hints are not folded"
+    designs = {ex.chapter for ex in EXERCISES if "(design)" in sections[ex.id][1].splitlines()[0]}
+    assert designs == {ex.chapter for ex in EXERCISES}, (
+        f"chapters with no exercise marked (design): {sorted({ex.chapter for ex in EXERCISES} - designs)}")

@@ -53,17 +53,24 @@ def load() -> tuple[dict[str, str], dict[str, list[str]], dict[str, list[str]]]:
 def write_bypassed_copy(root: Path, exercise, code: str, dest: Path) -> None:
     """A copy of the project at `root` with `code` (written at indentation zero) between the exercise's
     markers, at the markers' indentation."""
+    write_bypassed(root, {exercise: code}, dest)
+
+
+def write_bypassed(root: Path, codes: dict, dest: Path) -> None:
+    """A copy of the project at `root` with each exercise of `codes` solved the wrong way at once."""
     from minifsdp.course.student import copy_files, project_files
 
     copy_files(root, dest, project_files(root, skip=dest))
-    target = dest / exercise.path.relative_to(root)
-    lines = target.read_text(encoding="utf-8").splitlines(keepends=True)
-    marker = lines[exercise.begin - 1]
-    indent = marker[:len(marker) - len(marker.lstrip())]
-    body = [(indent + line if line.strip() else line) for line in code.splitlines(keepends=True)]
-    lines[exercise.begin:exercise.end - 1] = body
-    target.unlink()  # a link is copied as a link: never write through it
-    target.write_text("".join(lines), encoding="utf-8")
+    # bottom up within each file: the line numbers of the blocks above still hold
+    for exercise in sorted(codes, key=lambda ex: (str(ex.path), -ex.begin)):
+        target = dest / exercise.path.relative_to(root)
+        lines = target.read_text(encoding="utf-8").splitlines(keepends=True)
+        marker = lines[exercise.begin - 1]
+        indent = marker[:len(marker) - len(marker.lstrip())]
+        body = [(indent + line if line.strip() else line) for line in codes[exercise].splitlines(keepends=True)]
+        lines[exercise.begin:exercise.end - 1] = body
+        target.unlink()  # a link is copied as a link: never write through it
+        target.write_text("".join(lines), encoding="utf-8")
 
 
 @dataclass

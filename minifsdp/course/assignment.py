@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Iterable
 
-from minifsdp.course.student import ASSIGNMENT_FILE, PACKAGE, read_assignment
+from minifsdp.course.student import ASSIGNMENT_FILE, PACKAGE, check_pass_line, read_assignment
 
 DEFAULT_PASS_LINE = 60.0  # points of 100: a solution that skips its exercise's mechanism scores at most this
 
@@ -47,17 +47,6 @@ def assignment_defaults(submission: str | Path, reference: str | Path | None,
     if chapters is None and record["chapters"]:
         chapters = record["chapters"]
     return reference, chapters
-
-
-def check_pass_line(value) -> float:
-    try:
-        line = float(value)
-    except (TypeError, ValueError):
-        line = float("nan")
-    if not 0 <= line <= 100:
-        raise ValueError(f"the pass line is a number of points from 0 to 100 (an exercise is worth 100), "
-                         f"not {value!r}")
-    return line
 
 
 def pass_line_for(submission: str | Path, pass_line) -> float:

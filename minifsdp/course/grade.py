@@ -219,8 +219,9 @@ def _score_exercises(ref: Reference, graded: list[Exercise], own: dict[tuple[str
 # instead of reduce-scattering makes chapter 6's tests fail too, though 6.1 and 6.2 may be right. So no test
 # is scored in a copy holding every exercise of the submission. A chapter's tests run in a copy with that
 # chapter's exercises from the submission and every other exercise the reference's solution; then each
-# exercise's marked tests that this did not settle -- those that failed, and those marked with an exercise of
-# another chapter -- run again in a copy with that one exercise from the submission. An exercise scores its
+# exercise's marked tests that this did not settle -- those that failed, and those of another chapter, which
+# ran with the reference's code for it (unless its code is the reference's and they passed) -- run again in a
+# copy with that one exercise from the submission. An exercise scores its
 # tests as they ran with its own code alone; a chapter scores a marked test only if it passed for every
 # exercise it is marked with, and a test of no exercise as it ran with the chapter's code. A wrong X then
 # costs points in X's tests and in X's chapter's tests of no exercise, never in Y's.
@@ -232,8 +233,8 @@ def _own_runs(ref: Reference, asm: Assembler, graded: list[Exercise], chapter_ou
     for ex in graded:
         tests = [t for c in ref.tests for t in ref.tests[c] if ex.id in t.exercises]
         settled = {t.id for t in tests if t.chapter == ex.chapter and chapter_outcome[t.id][0] != "failed"}
-        if asm.same_as_reference(ex):  # the reference's own code: its chapter copies already ran it
-            settled |= {t.id for t in tests if t.chapter != ex.chapter}
+        if asm.same_as_reference(ex):  # the reference's own code: its passes in other chapters' copies count
+            settled |= {t.id for t in tests if t.chapter != ex.chapter and chapter_outcome[t.id][0] != "failed"}
         for t in tests:
             if t.id in settled:
                 own[(ex.id, t.id)] = chapter_outcome[t.id]

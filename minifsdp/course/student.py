@@ -294,7 +294,6 @@ def write_student_copy(src_root: str | Path = ".", out_dir: str | Path = "studen
     """
     src, out = Path(src_root).resolve(), Path(out_dir).resolve()
     if pass_line is not None:
-        from minifsdp.course.assignment import check_pass_line  # it reads assignments: imported here, not at the top
         pass_line = check_pass_line(pass_line)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise FileExistsError(f"{out} already exists and is not empty; a student copy is only ever written to "
@@ -353,6 +352,18 @@ def write_student_copy(src_root: str | Path = ".", out_dir: str | Path = "studen
 # -- what a copy was handed out for ----------------------------------------------------------------------------
 
 ASSIGNMENT_FILE = "assignment.json"
+
+
+def check_pass_line(value) -> float:
+    """The pass line an instructor gave, as points of 100 (assignment.py's [Note: the pass line])."""
+    try:
+        line = float(value)
+    except (TypeError, ValueError):
+        line = float("nan")
+    if not 0 <= line <= 100:
+        raise ValueError(f"the pass line is a number of points from 0 to 100 (an exercise is worth 100), "
+                         f"not {value!r}")
+    return line
 
 
 def write_assignment(out: Path, course: Path, handed_out: list[Exercise], pass_line: float | None = None) -> None:
