@@ -38,7 +38,8 @@ import argparse
 import sys
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line: every subcommand and its options (the docs' commands are checked against it)."""
     parser = argparse.ArgumentParser(prog="minifsdp", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -221,7 +222,11 @@ def main(argv: list[str] | None = None) -> int:
     grading_options(grade_all)
     grade_all.add_argument("--out", default="grades", help="where the results go (default: ./grades)")
 
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     if args.command == "tour":
         from minifsdp.reports.tour import run_tour
         run_tour(world_size=args.world_size, steps=args.steps, device=args.device, plot=args.plot,

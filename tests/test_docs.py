@@ -118,3 +118,65 @@ def test_every_listing_fits_the_column(page):
     long = [f"{where}: {len(line)} columns: {line.strip()[:60]}" for where, line in listing_lines(page)
             if len(line) > LISTING_COLUMNS]
     assert not long, f"{page.name}: {len(long)} listing lines wider than {LISTING_COLUMNS} columns:\n" + "\n".join(long)
+
+
+# -- the commands the pages give ---------------------------------------------------------------------------------
+CLI_INLINE = re.compile(r"`(python -m minifsdp [^`]*)`")  # an inline command, possibly wrapped over lines
+CLI_FENCE = re.compile(r"^( *)(```|~~~)[^\n]*\n(.*?)^\1\2 *$", re.MULTILINE | re.DOTALL)
+SHELL_STOPS = {">", ">>", "|", "&&", ";", "2>&1"}  # what follows is the shell's, not the command's
+
+
+def cli_commands(text: str) -> list[str]:
+    """Every `python -m minifsdp SUBCOMMAND ...` a page gives: the lines of its code blocks (continuations
+    joined) and its inline code; `python -m minifsdp.reports...` modules are not the CLI's."""
+    found = []
+    for block in CLI_FENCE.finditer(text):
+        body = re.sub(r"\\\n\s*", " ", block.group(3))
+        found += [" ".join(line.split()) for line in body.splitlines()
+                  if line.strip().startswith("python -m minifsdp ")]
+    found += [" ".join(m.group(1).split()) for m in CLI_INLINE.finditer(CLI_FENCE.sub("", text))]
+    return found
+
+
+def cli_errors(command: str) -> str | None:
+    """argparse's complaint about `command`, or None when the command line accepts it."""
+    import contextlib
+    import io
+    import shlex
+
+    from minifsdp.__main__ import build_parser
+
+    words = shlex.split(command, comments=True)[3:]
+    cut = [i for i, w in enumerate(words) if w in SHELL_STOPS]
+    words = words[:cut[0]] if cut else words
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            build_parser().parse_args(words)
+    except SystemExit:
+        return err.getvalue().strip().splitlines()[-1]
+    return None
+
+
+def test_a_command_the_cli_refuses_is_found():
+    text = "Run `python -m minifsdp student\n  --chapters 6,7`, then\n\n```bash\npython -m minifsdp grade a \\\n" \
+           "    --weeks 6 > out.txt\npython -m minifsdp.reports.grading --markdown x.md\n```\n"
+    commands = cli_commands(text)
+    assert commands == ["python -m minifsdp grade a --weeks 6 > out.txt",
+                        "python -m minifsdp student --chapters 6,7"]
+    assert all(cli_errors(c) for c in commands)  # an option the CLI lacks; OUT_DIR missing
+    assert cli_errors("python -m minifsdp grade a --chapters 6 > out.txt") is None
+
+
+def test_every_command_the_pages_give_is_the_cli_s():
+    """The guide once gave `student handout --chapters 6,7` in an order and a form the CLI did not have: every
+    `python -m minifsdp ...` on a page or in the README must parse with the command line as it is."""
+    sources = PAGES + sorted((REPO / "chapters").glob("*/*.md")) + [REPO / "README.md"]
+    checked, wrong = 0, []
+    for source in sources:
+        for command in cli_commands(source.read_text(encoding="utf-8")):
+            checked += 1
+            if (error := cli_errors(command)) is not None:
+                wrong.append(f"{source.relative_to(REPO)}: {command}\n    {error}")
+    assert checked > 50, f"only {checked} commands found: is the pattern still right?"
+    assert not wrong, "commands the CLI refuses:\n" + "\n".join(wrong)
