@@ -1,5 +1,5 @@
-"""Chapter 7's newer diagrams: why overlap matters, why a prefetch needs a second all-gather buffer, and what the
-caching allocator does when the CPU runs too far ahead.
+"""Chapter 7's newer diagrams: why overlap matters, why a prefetch needs a second all-gather buffer, what the
+caching allocator does when the CPU runs too far ahead, and what exercises 7.1 and 7.2's "next unit" must be.
 
 The step model (step_timeline) is written here as data and rules, like backward_prefetch's in make_diagrams.py:
 tests/test_diagrams_ch07_ch08.py checks what the page says of it, and that the names drawn are the code's.
@@ -242,4 +242,78 @@ def allocator_retry() -> Canvas:
     return c
 
 
-DIAGRAMS = (overlap_step, two_all_gather_buffers, allocator_retry)
+# -- the next unit (exercises 7.1 and 7.2) ------------------------------------------------------------------------
+# The tests' models (tests/test_ch07_overlap.py), each Linear a unit. OutOfOrder: the module tree lists its units
+# in one order, they run in another. Reordered: its last two units swap every other step. The orders are what the
+# package records (ExecutionOrder), and the all-gathers what a step issues, with forward_prefetch and
+# BACKWARD_PRE, for a design with the exercises' properties and for a wrong one; tests/test_diagrams_ch07_exercise.py
+# runs both models and checks every row.
+NEXT_TREE = ("(root)", "inp", "c", "b", "a")           # OutOfOrder's root.units(): the order modules were registered
+NEXT_FORWARD = ("(root)", "inp", "a", "b", "c")        # its order.order["forward"]
+NEXT_BACKWARD = ("(root)", "c", "b", "a", "inp")       # its order.order["backward"]
+# the all-gathers of a forward from the second step on: "next" as the units run, and "next" in the module tree
+NEXT_FORWARD_GATHERS = (("inp", "a", "b", "c"), ("inp", "c", "a", "b", "a", "b"))
+SWAP_RECORDED = ("(root)", "c", "b", "a", "inp")       # Reordered's order.order["backward"], recorded in step 0
+SWAP_ODD = ("(root)", "b", "c", "a", "inp")            # what an odd step's backward runs (and would record)
+# the all-gathers of an odd step's backward: a design with the properties, and one that prefetches the recorded
+# next unit even when its backward has begun
+SWAP_GATHERS = (("c", "b", "a", "inp"), ("c", "b", "a", "b", "inp"))
+
+
+def _twice(names) -> set:
+    """The positions of the units gathered a second time."""
+    return {i for i, u in enumerate(names) if u in names[:i]}
+
+
+def prefetch_next_unit() -> Canvas:
+    c = Canvas("prefetch_next_unit", 360, "Exercises 7.1 and 7.2: the next unit is the one that runs next",
+               f"Three panels. First, the tests' model OutOfOrder: its module tree lists its units as "
+               f"{', '.join(NEXT_TREE)}; its forward runs them as {', '.join(NEXT_FORWARD)} and its backward as "
+               f"{', '.join(NEXT_BACKWARD)}, the orders the root records in the first step. Second, exercise 7.1: "
+               f"from the second step on, with forward_prefetch, a forward whose next unit is the one that runs "
+               f"next issues {len(NEXT_FORWARD_GATHERS[0])} all-gathers, {', '.join(NEXT_FORWARD_GATHERS[0])}, each "
+               f"unit once; taking the next unit from the module tree issues "
+               f"{len(NEXT_FORWARD_GATHERS[1])}, {', '.join(NEXT_FORWARD_GATHERS[1])}: a and b are gathered twice. "
+               f"Third, exercise 7.2: the model Reordered, whose last two units swap every other step, recorded its "
+               f"backward as {', '.join(SWAP_RECORDED)}, but an odd step runs {', '.join(SWAP_ODD)}. A design with "
+               f"the exercise's properties issues {', '.join(SWAP_GATHERS[0])} in that backward, each unit at most "
+               f"once; a design that prefetches the recorded next unit even when its backward has begun issues "
+               f"{', '.join(SWAP_GATHERS[1])}: c's backward gathers b again, after b's backward has run.")
+    lx, bx, bw, pitch = 176, 186, 50, 56   # labels end at lx; boxes from bx
+    column = bx + 6 * pitch + 4             # the orders' names in the package
+
+    def row(y, label, names, fill, note="", red=frozenset()):
+        c.text(lx, y + 17, label, anchor="end", size=MIN_FONT)
+        for i, u in enumerate(names):
+            c.box(bx + i * pitch, y, bw, 24, u, RED if i in red else fill, size=MIN_FONT)
+        if note.startswith(("root.", "order")):
+            c.text(column, y + 17, note, size=MIN_FONT, mono=True)
+        elif note:  # what a row of all-gathers shows, just after it
+            c.text(bx + len(names) * pitch + 4, y + 17, note, size=MIN_FONT)
+
+    y = 18
+    c.text(10, y, "OutOfOrder, a model of the tests: its units listed in one order, run in another", bold=True)
+    y += 10
+    row(y, "the module tree lists", NEXT_TREE, GRAY, "root.units()")
+    row(y + 30, "forward runs", NEXT_FORWARD, BLUE, 'order["forward"]')
+    row(y + 60, "backward runs", NEXT_BACKWARD, ORANGE, 'order["backward"]')
+
+    y += 112
+    c.text(10, y, "7.1: a forward's all-gathers, from the second step on (forward_prefetch)", bold=True)
+    y += 10
+    row(y, "next: the unit run next", NEXT_FORWARD_GATHERS[0], BLUE, "each unit once")
+    row(y + 30, "next: the tree's next", NEXT_FORWARD_GATHERS[1], BLUE, "a and b twice",
+        red=_twice(NEXT_FORWARD_GATHERS[1]))
+
+    y += 82
+    c.text(10, y, "7.2: Reordered swaps its last two units every other step (BACKWARD_PRE)", bold=True)
+    y += 10
+    row(y, "recorded in step 0", SWAP_RECORDED, ORANGE, 'order["backward"]')
+    row(y + 30, "an odd step runs", SWAP_ODD, ORANGE)
+    row(y + 60, "a design that passes", SWAP_GATHERS[0], BLUE, "each unit at most once")
+    row(y + 90, "a begun unit prefetched", SWAP_GATHERS[1], BLUE, "b again, its backward begun",
+        red=_twice(SWAP_GATHERS[1]))
+    return c
+
+
+DIAGRAMS = (overlap_step, two_all_gather_buffers, allocator_retry, prefetch_next_unit)
