@@ -22,6 +22,7 @@ diagrams:         ## draw the chapters' SVG diagrams (plain Python: chapters/dia
 	    chapters/figures/diagrams/overlap_step.svg chapters/figures/diagrams/two_all_gather_buffers.svg chapters/figures/diagrams/allocator_retry.svg \
 	    chapters/figures/diagrams/prefetch_next_unit.svg \
 	    chapters/figures/diagrams/float_formats.svg chapters/figures/diagrams/main_grad.svg chapters/figures/diagrams/loss_scale_agreement.svg chapters/figures/diagrams/cpu_offload.svg \
+	    chapters/figures/diagrams/cast_shard_contract.svg \
 	    chapters/figures/diagrams/flat_param_states.svg chapters/figures/diagrams/flat_param_storage.svg \
 	    chapters/figures/diagrams/flat_param_grad.svg chapters/figures/diagrams/flat_param_tied.svg \
 	    chapters/figures/diagrams/flat_param_why.svg chapters/figures/diagrams/flat_param_views.svg \

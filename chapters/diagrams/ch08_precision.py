@@ -1,5 +1,6 @@
 """Chapter 8's newer diagrams: the three float formats, where the gradient is rounded (FSDP against Megatron's
-main_grad), how the ranks agree on a skipped fp16 step, and what CPU offload keeps where.
+main_grad), how the ranks agree on a skipped fp16 step, what CPU offload keeps where, and exercise 8.1's contract
+(what one unshard sends and copies; tests/test_diagrams_ch08_exercise.py checks it against comm's counters).
 
 The formats are written here as data (FORMATS, LOST_UPDATE); tests/test_diagrams_ch07_ch08.py checks them against
 torch.finfo and a bf16 addition, and that the names drawn are the code's.
@@ -165,4 +166,71 @@ def cpu_offload() -> Canvas:
     return c
 
 
-DIAGRAMS = (float_formats, main_grad, loss_scale_agreement, cpu_offload)
+# -- what one unshard sends and copies (exercise 8.1) -------------------------------------------------------------
+# One Block unit of the default GPT (FSDP with ModuleWrapPolicy({Block})) at N = 4, rank 0: its shard's and its
+# padded flat parameter's elements, and what comm counts for one unshard() of it in each run (all-gathers,
+# bytes on the wire, bytes copied host_to_device). tests/test_diagrams_ch08_exercise.py checks them against the
+# package's counters, and the two wrong designs' numbers against a patched _cast_shard and the fp32 run.
+CAST_N = 4
+CAST_SHARD_NUMEL, CAST_PADDED_NUMEL = 3152, 12608
+CAST_RUNS = (("fp32", False, 1, 37824, 0), ("bf16", False, 1, 18912, 0),
+             ("fp32", True, 1, 37824, 12608), ("bf16", True, 1, 18912, 12608))  # dtype, offload, calls, wire, copied
+
+
+def cast_shard_contract() -> Canvas:
+    n, shard, padded = CAST_N, CAST_SHARD_NUMEL, CAST_PADDED_NUMEL
+    wire = {(d, o): b for d, o, _, b, _ in CAST_RUNS}
+    copied = {(d, o): b for d, o, *_, b in CAST_RUNS}
+    bf16_wire, fp32_wire, copy = wire["bf16", True], wire["fp32", False], copied["bf16", True]
+    host_cast = 2 * shard  # a bf16 copy of the shard
+    c = Canvas("cast_shard_contract", 364,
+               "Exercise 8.1's contract: what one unshard sends and copies, and what two wrong designs do",
+               f"One unshard of a Block unit of the default GPT at N = {n}, rank 0, in bf16 with offload: the fp32 "
+               f"master shard, {shard:,} elements, stays fp32 on the host; {copy:,} bytes of fp32 cross "
+               f"host_to_device; what the rank sends is {shard:,} bf16 elements on the device; one all-gather "
+               f"fills the bf16 buffer of {padded:,} elements and carries {bf16_wire:,} bytes, 2 bytes times "
+               f"{padded:,} times {n - 1}/{n}. A table of rank 0's counters for one unshard: one all-gather in "
+               f"every run; {fp32_wire:,} bytes on the wire in fp32 and {bf16_wire:,} in bf16, with or without "
+               f"offload; {copy:,} bytes copied with offload and none without. Two designs break the contract: "
+               f"gathering the fp32 shards and casting the full buffer puts {fp32_wire:,} bytes on the wire, "
+               f"fp32's, not half; casting on the host and copying bf16 copies {host_cast:,} bytes, not the fp32 "
+               f"shard's {copy:,}.")
+    c.text(10, 20, f"one unshard of a Block unit, default GPT, N = {n}, bf16 with offload: rank 0", bold=True)
+    xs, w, y, h = (10, 265, 505), 165, 34, 52
+    boxes = [(["self._shard, host", f"fp32 · {shard:,} elements"], BLUE),
+             (["what it sends, device", f"bf16 · {shard:,} elements"], TEAL),
+             (["self._full, device", f"bf16 · {padded:,} elements"], TEAL)]
+    for x, (lines, fill) in zip(xs, boxes):
+        c.box(x, y, w, h, lines, fill, size=MIN_FONT)
+    for (a, b), (above, below) in zip(((xs[0] + w, xs[1]), (xs[1] + w, xs[2])),
+                                      (("copy, fp32", f"{copy:,} B"), ("all-gather", f"{bf16_wire:,} B"))):
+        c.line(a + 3, y + h / 2, b - 3, y + h / 2, arrow=True)
+        c.text((a + b) / 2, y + h / 2 - 7, above, anchor="middle", size=MIN_FONT)
+        c.text((a + b) / 2, y + h / 2 + 19, below, anchor="middle", size=MIN_FONT)
+    c.text(10, 112, f"copied: 4 B × {shard:,} = {copy:,} B, the fp32 shard, cast on the device; self._shard unchanged.",
+           size=MIN_FONT)
+    c.text(10, 130, f"on the wire: 2 B × {padded:,} × {n - 1}/{n} = {bf16_wire:,} B, half of fp32's.", size=MIN_FONT)
+
+    y = 162
+    cols = ((10, "start", "run"), (290, "end", "all-gathers"), (470, "end", "on the wire"),
+            (670, "end", "host_to_device"))
+    for x, anchor, head in cols:
+        c.text(x, y, head, anchor=anchor, size=MIN_FONT, bold=True, mono=head == "host_to_device")
+    c.line(10, y + 7, WIDTH - 10, y + 7, width=1)
+    for dtype, offload, calls, sent, into in CAST_RUNS:
+        y += 20
+        cells = (f"{dtype}, offload" if offload else dtype, str(calls), f"{sent:,} B",
+                 f"{into:,} B" if into else "nothing")
+        for (x, anchor, _), s in zip(cols, cells):
+            c.text(x, y, s, anchor=anchor, size=MIN_FONT, bold=dtype == "bf16" and offload)
+
+    y += 34
+    c.text(10, y, "two designs that break it, as the counters see them", bold=True)
+    wrong = [f"gathers fp32, casts the full buffer: {fp32_wire:,} B on the wire, fp32's, not half",
+             f"casts on the host, copies bf16: {host_cast:,} B copied, not the fp32 shard's {copy:,} B"]
+    for i, s in enumerate(wrong):
+        c.box(10, y + 12 + i * 38, WIDTH - 20, 30, s, RED, size=MIN_FONT)
+    return c
+
+
+DIAGRAMS = (float_formats, main_grad, loss_scale_agreement, cpu_offload, cast_shard_contract)
