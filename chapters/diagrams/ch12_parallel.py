@@ -1,9 +1,10 @@
 """Chapter 12's pictures: the tensor-parallel block, the vocabulary split, sequence parallelism, how the split
-weights start equal, and, for the pipeline, the stages, the messages between them and the mesh they compose on.
+weights start equal, and, for the pipeline, the stages, the messages between them, the mesh they compose on and
+what an interleaved order must do (exercise 12.4's contract).
 
 Drawn on the shared canvas (canvas.py); make_diagrams.py finds this module. What a picture shows of the code
 (the qkv pieces a rank keeps, the stages' blocks) is written here as data, and tests/test_diagrams_ch1213.py checks
-it against the package.
+it against the package; tests/test_diagrams_ch12_exercise.py checks the contract's stages, budgets and bubbles.
 """
 
 from __future__ import annotations
@@ -19,6 +20,19 @@ QKV_KEPT = {0: ["q0", "k0", "v0"], 1: ["q1", "k1", "v1"]}  # what shard_of gives
 # The pipeline GPT of the chapter's tests, 8 blocks, cut into 4 stages by split_gpt.
 STAGE_MODULES = [["wte", "wpe", "blocks.0", "blocks.1"], ["blocks.2", "blocks.3"], ["blocks.4", "blocks.5"],
                  ["blocks.6", "blocks.7", "ln_f", "lm_head"]]
+
+# Exercise 12.4's contract at p = 2 ranks, v = 2 stages each, m = 4 micro-batches: the stages each rank holds
+# (stages_of_rank), each rank's budget of (stage, micro-batch) pieces in flight, min(2(p - r - 1) + (v - 1)p + 1,
+# v*m), and the bubble on the ideal machine (forward 1/v, backward 2/v) a right order leaves, against 1F1B's.
+# Two wrong orders: every forward of the rank's stages, then every backward (the pieces it holds after each of
+# its actions, and its peak); one micro-batch at a time through the rank's stages and back.
+IL_P, IL_V, IL_M = 2, 2, 4
+IL_STAGES = {0: [0, 2], 1: [1, 3]}
+IL_BUDGET = {0: 5, 1: 3}
+IL_BUBBLE, IL_BUBBLE_1F1B = (1, 9), (1, 5)
+IL_ALL_FORWARDS_HELD = [1, 2, 3, 4, 5, 6, 7, 8, 7, 6, 5, 4, 3, 2, 1, 0]  # on either rank
+IL_WRONG = {"every forward, then every backward": ((8, 8), (1, 9)),  # (peak held on rank 0, 1), bubble
+            "one micro-batch at a time": ((2, 2), (1, 2))}
 
 
 def _arrow_label(c: Canvas, x1, x2, y, label, colour=MUTED, above=True):
@@ -302,4 +316,84 @@ def parallel_mesh() -> Canvas:
     return c
 
 
-DIAGRAMS = (tp_block, tp_vocab_loss, tp_sequence_parallel, tp_init, pp_stages, pipeline_p2p, parallel_mesh)
+def pipeline_interleaved_contract() -> Canvas:
+    p, v, m = IL_P, IL_V, IL_M
+    n = p * v
+    rank_of = {s: r for r, stages in IL_STAGES.items() for s in stages}
+    wrong = list(IL_WRONG.items())
+    c = Canvas("pipeline_interleaved_contract", 452,
+               f"What an interleaved order must do at p = {p}, v = {v}, m = {m}",
+               f"Top: {n} stages, s0 to s{n - 1}; rank r holds stages r and r + p, so rank 0 holds s0 and s2 and "
+               f"rank 1 s1 and s3. Micro-batch 0 goes forward s0 on rank 0, s1 on rank 1, s2 on rank 0, s3 on rank "
+               f"1, and its backward comes back the same way, s3 to s0: a forward needs the previous stage's forward, "
+               f"a backward the next stage's backward. Middle: each rank has v times m = {v * m} (stage, "
+               f"micro-batch) pieces. Its budget, min(2(p - r - 1) + (v - 1)p + 1, v m), is {IL_BUDGET[0]} on "
+               f"rank 0 and {IL_BUDGET[1]} on rank 1. An order that runs every forward and then every backward "
+               f"holds 1, 2, up to all {v * m} pieces and back to 0, over both budgets. Bottom: a right order holds "
+               f"at most {IL_BUDGET[0]} and {IL_BUDGET[1]} pieces and leaves a bubble of at most "
+               f"{IL_BUBBLE[0]}/{IL_BUBBLE[1]} of the step on the ideal machine (1F1B: "
+               f"{IL_BUBBLE_1F1B[0]}/{IL_BUBBLE_1F1B[1]}). Every forward then every backward: "
+               f"{wrong[0][1][0][0]} and {wrong[0][1][0][1]} held, bubble {wrong[0][1][1][0]}/{wrong[0][1][1][1]}, "
+               f"on time but over the budget. One micro-batch at a time: {wrong[1][1][0][0]} held, bubble "
+               f"{wrong[1][1][1][0]}/{wrong[1][1][1][1]}, within the budget but slow.")
+    c.text(10, 20, f"p = {p} ranks, v = {v} stages each, m = {m}: rank r holds stages r, r + p", bold=True)
+    # the stages, and micro-batch 0's way through them
+    w, gap, x0, y = 120, 60, 10, 38
+    for s in range(n):
+        x = x0 + s * (w + gap)
+        c.box(x, y, w, 44, [(f"stage {s}", {"bold": True}), f"on rank {rank_of[s]}"], RANKS[rank_of[s]],
+              size=MIN_FONT)
+        if s < n - 1:
+            c.line(x + w + 2, y + 14, x + w + gap - 2, y + 14, colour=BLUE, arrow=True, width=2)
+            c.line(x + w + gap - 2, y + 32, x + w + 2, y + 32, colour=ORANGE, arrow=True, width=2)
+    y += 70
+    x = swatch(c, 10, y, BLUE, "micro-batch 0 forward: s0 → s1 → s2 → s3") + 16
+    swatch(c, x, y, ORANGE, "its backward: s3 → s2 → s1 → s0")
+    c.text(10, y + 22, "a forward needs the previous stage's forward, a backward the next stage's backward",
+           size=MIN_FONT)
+    # the pieces every forward, then every backward holds, against each rank's budget
+    y += 56
+    c.text(10, y, f"Pieces held after each of a rank's {2 * v * m} actions: every forward, then every backward",
+           bold=True)
+    unit, pitch, base = 10, 17, y + 18 + v * m * 10
+    for r in range(p):
+        left = 54 + r * 330
+        budget = IL_BUDGET[r]
+        for k, held in enumerate(IL_ALL_FORWARDS_HELD):
+            bx = left + k * pitch
+            inside = min(held, budget)
+            if inside:
+                c.rect(bx, base - inside * unit, pitch - 3, inside * unit, fill=GRAY, rx=0)
+            if held > budget:
+                c.rect(bx, base - held * unit, pitch - 3, (held - budget) * unit, fill=RED, rx=0)
+        right = left + len(IL_ALL_FORWARDS_HELD) * pitch
+        c.line(left - 4, base, right, base, width=1)
+        c.line(left - 4, base - budget * unit, right + 4, base - budget * unit, dash=True)
+        c.text(left - 8, base - budget * unit + 5, str(budget), anchor="end", size=MIN_FONT, bold=True)
+        c.text(left - 8, base - v * m * unit + 10, str(v * m), anchor="end", size=MIN_FONT)
+        c.text(left, base + 20, f"rank {r}, stages {IL_STAGES[r][0]} and {IL_STAGES[r][1]}: budget {budget}",
+               size=MIN_FONT)
+    c.text(10, base + 42, "budget of rank r: min(2(p − r − 1) + (v − 1)p + 1, v·m) pieces; red: held over it",
+           size=MIN_FONT)
+    # the contract, and the two wrong orders
+    y = base + 70
+    cols = [(10, 254, "order"), (268, 166, "most held: rank 0, 1"), (438, 232, "bubble, ideal machine")]
+    for cx, cw, head in cols:
+        c.text(cx + 4, y, head, size=MIN_FONT, bold=True)
+    rows = [("a right order", f"≤ {IL_BUDGET[0]}, ≤ {IL_BUDGET[1]}", GREEN,
+             f"≤ {IL_BUBBLE[0]}/{IL_BUBBLE[1]} (1F1B: {IL_BUBBLE_1F1B[0]}/{IL_BUBBLE_1F1B[1]})", GREEN)]
+    for name, ((h0, h1), (a, b)) in wrong:
+        over = h0 > IL_BUDGET[0] or h1 > IL_BUDGET[1]
+        slow = a * IL_BUBBLE[1] > b * IL_BUBBLE[0]
+        rows.append((name, f"{h0}, {h1}" + (": over" if over else ""), RED if over else GREEN,
+                     f"{a}/{b}" + (": too slow" if slow else ""), RED if slow else GREEN))
+    for i, (name, held, held_fill, bubble, bubble_fill) in enumerate(rows):
+        ry = y + 10 + i * 32
+        c.box(cols[0][0], ry, cols[0][1], 28, name, GRAY, size=MIN_FONT)
+        c.box(cols[1][0], ry, cols[1][1], 28, held, held_fill, size=MIN_FONT)
+        c.box(cols[2][0], ry, cols[2][1], 28, bubble, bubble_fill, size=MIN_FONT)
+    return c
+
+
+DIAGRAMS = (tp_block, tp_vocab_loss, tp_sequence_parallel, tp_init, pp_stages, pipeline_p2p, parallel_mesh,
+            pipeline_interleaved_contract)
