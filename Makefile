@@ -33,6 +33,7 @@ diagrams:         ## draw the chapters' SVG diagrams (plain Python: chapters/dia
 	    chapters/figures/diagrams/tp_block.svg chapters/figures/diagrams/tp_vocab_loss.svg chapters/figures/diagrams/tp_sequence_parallel.svg chapters/figures/diagrams/tp_init.svg chapters/figures/diagrams/pp_stages.svg chapters/figures/diagrams/pipeline_p2p.svg chapters/figures/diagrams/parallel_mesh.svg \
 	    chapters/figures/diagrams/pipeline_interleaved_contract.svg \
 	    chapters/figures/diagrams/alpha_beta.svg chapters/figures/diagrams/two_level_network.svg chapters/figures/diagrams/nraf_step.svg chapters/figures/diagrams/published_errors.svg \
+	    chapters/figures/diagrams/simulate_contract.svg \
 	    chapters/figures/diagrams/ddp_naive_vs_overlap.svg chapters/figures/diagrams/four_collectives.svg \
 	    chapters/figures/diagrams/ddp_bucket_order.svg chapters/figures/diagrams/ddp_no_sync.svg \
 	    chapters/figures/diagrams/ddp_bucket_policy.svg \

@@ -1,9 +1,9 @@
-"""Chapter 13's pictures: a collective's time the alpha-beta way, the two-level network it runs on, and what not
-resharding after forward buys on it.
+"""Chapter 13's pictures: a collective's time the alpha-beta way, the two-level network it runs on, what not
+resharding after forward buys on it, and the two-stream simulation's contract (exercise 13.2).
 
 Drawn on the shared canvas (canvas.py); make_diagrams.py finds this module. The numbers are the step-time model's
-(minifsdp.measure.step_time), written here as data; tests/test_diagrams_ch1213.py computes them again from the
-package and checks them.
+(minifsdp.measure.step_time), written here as data; tests/test_diagrams_ch1213.py and
+tests/test_diagrams_ch13_exercise.py compute them again from the package and check them.
 """
 
 from __future__ import annotations
@@ -281,4 +281,101 @@ def published_errors() -> Canvas:
     return c
 
 
-DIAGRAMS = (alpha_beta, two_level_network, nraf_step, published_errors)
+# -- two streams (exercise 13.2) ----------------------------------------------------------------------------------
+# A program worked by hand, in issue order: ("compute", name, seconds), ("collective", tag, kind, channel, seconds,
+# after) and ("wait", tag), the steps of program.py's Compute, Collective and Wait. Its spans, (lane, name) ->
+# (start, end) in seconds, as simulate() times it, and as it times the same program with every collective put on
+# one channel (a design with one queue for every channel); tests/test_diagrams_ch13_exercise.py runs both.
+STREAMS_PROGRAM = (
+    ("compute", "A", 2.0),
+    ("collective", "x", "all_gather", "c1", 3.0, ()),
+    ("collective", "w", "reduce_scatter", "c1", 1.0, ()),
+    ("collective", "r", "all_reduce", "c2", 2.0, ()),
+    ("collective", "y", "all_reduce", "c2", 2.0, ("w",)),
+    ("compute", "B", 1.0),
+    ("wait", "w"),
+    ("compute", "C", 2.0),
+    ("wait", "y"),
+)
+STREAMS_SPANS = {
+    ("compute", "A"): (0.0, 2.0), ("compute", "B"): (2.0, 3.0), ("wait", "w"): (3.0, 6.0),
+    ("compute", "C"): (6.0, 8.0),
+    ("all_gather", "x"): (2.0, 5.0), ("reduce_scatter", "w"): (5.0, 6.0),
+    ("all_reduce", "r"): (2.0, 4.0), ("all_reduce", "y"): (6.0, 8.0),
+}
+STREAMS_ONE_QUEUE_SPANS = {
+    ("compute", "A"): (0.0, 2.0), ("compute", "B"): (2.0, 3.0), ("wait", "w"): (3.0, 6.0),
+    ("compute", "C"): (6.0, 8.0), ("wait", "y"): (8.0, 10.0),
+    ("all_gather", "x"): (2.0, 5.0), ("reduce_scatter", "w"): (5.0, 6.0),
+    ("all_reduce", "r"): (6.0, 8.0), ("all_reduce", "y"): (8.0, 10.0),
+}
+STREAMS_STEPS = (8.0, 10.0)  # the step, right and with one queue
+
+
+def simulate_contract() -> Canvas:
+    step, wrong_step = STREAMS_STEPS
+    c = Canvas("simulate_contract", 280, "Two streams: when each collective of a small program may start",
+               "A program issued in this order: compute A, 2 s; all-gather x on channel c1, 3 s; reduce-scatter w "
+               "on c1, 1 s; all-reduce r on channel c2, 2 s; all-reduce y on c2, 2 s, after w; compute B, 1 s; "
+               "a wait for w; compute C, 2 s; a wait for y. On one compute stream and a channel per process group, "
+               "a collective starts no earlier than three times: x and r not before A, the compute issued before "
+               "them, ends at 2; w, though shorter, not before x, issued before it on c1, ends at 5; y not before "
+               "w, in its after, ends at 6, although c2 is idle from 4. The two channels run side by side: r "
+               "runs while x does. The wait for w blocks the compute stream from 3 until w ends at 6, not until "
+               "y ends; C runs from 6 to 8 and the step ends at 8. A design with one queue for every channel "
+               "puts r behind w and y behind r, so the wait for y blocks from 8 to 10: a step of 10 s.")
+    fills = {"compute": GRAY, "wait": RED, "all_gather": BLUE, "reduce_scatter": ORANGE, "all_reduce": PURPLE}
+    channel = {op[1]: op[3] for op in STREAMS_PROGRAM if op[0] == "collective"}
+    x0, unit, h = 118, 50, 24
+
+    def tx(t):
+        return x0 + t * unit
+
+    def lanes(spans, rows, top):
+        """rows: (label, which spans) ; draws each row's spans as boxes, returns the y of each row."""
+        ys = []
+        for k, (label, pick) in enumerate(rows):
+            y = top + k * (h + 8)
+            ys.append(y)
+            c.text(x0 - 8, y + 17, label, anchor="end", size=MIN_FONT)
+            for (lane, name), (a, b) in spans.items():
+                if pick(lane, name):
+                    text = f"wait {name}" if lane == "wait" else name
+                    c.box(tx(a) + 0.5, y, (b - a) * unit - 1, h, text, fills[lane], size=MIN_FONT)
+        return ys
+
+    c.text(10, 20, "A collective starts at the latest of three times; a wait, when its own one ends", bold=True)
+    c.text(10, 40, "issued in order: A · x, w on c1 · r, y on c2, y after w · B · wait w · C · wait y",
+           size=MIN_FONT)
+    # the right timing: one compute stream, one FIFO per channel
+    top = 70
+    ys = lanes(STREAMS_SPANS, [("compute", lambda lane, n: lane in ("compute", "wait")),
+                               ("channel c1", lambda lane, n: lane not in ("compute", "wait") and channel[n] == "c1"),
+                               ("channel c2", lambda lane, n: lane not in ("compute", "wait") and channel[n] == "c2")],
+               top)
+    bottom = ys[-1] + h
+    label_y = top - 10
+    marks = ((STREAMS_SPANS[("all_gather", "x")][0], "① compute before it", "end"),
+             (STREAMS_SPANS[("reduce_scatter", "w")][0], "② FIFO: behind x", "end"),
+             (STREAMS_SPANS[("all_reduce", "y")][0], "③ its after: w", "start"))
+    for t, text, anchor in marks:
+        c.line(tx(t), label_y + 2, tx(t), bottom + 4, dash=True, width=1.2)
+        c.text(tx(t) + (-5 if anchor == "end" else 5), label_y, text, anchor=anchor, size=MIN_FONT)
+    c.line(tx(step), top - 4, tx(step), bottom + 4, width=1.5)
+    c.text(tx(step) + 5, label_y, f"step {step:g} s", size=MIN_FONT, bold=True)
+    axis = bottom + 8
+    c.line(x0, axis, tx(wrong_step), axis, width=1)
+    for t in range(int(wrong_step) + 1):
+        c.line(tx(t), axis, tx(t), axis + 4, width=1)
+        c.text(tx(t), axis + 18, f"{t} s" if t == wrong_step else str(t), anchor="middle", size=MIN_FONT)
+    # the counter-example: every collective on one queue
+    y = axis + 38
+    c.text(10, y, f"One queue for every channel (wrong): r behind w, y behind r, a step of {wrong_step:g} s",
+           bold=True, size=MIN_FONT)
+    ys = lanes(STREAMS_ONE_QUEUE_SPANS, [("compute", lambda lane, n: lane in ("compute", "wait")),
+                                         ("one queue", lambda lane, n: lane not in ("compute", "wait"))], y + 10)
+    c.line(tx(wrong_step) - 0.5, y + 6, tx(wrong_step) - 0.5, ys[-1] + h + 4, width=1.5)
+    return c
+
+
+DIAGRAMS = (alpha_beta, two_level_network, nraf_step, published_errors, simulate_contract)
