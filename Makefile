@@ -39,6 +39,7 @@ diagrams:         ## draw the chapters' SVG diagrams (plain Python: chapters/dia
 	    chapters/figures/diagrams/ddp_bucket_policy.svg \
 	    chapters/figures/diagrams/oss_step.svg chapters/figures/diagrams/oss_when_it_pays.svg chapters/figures/diagrams/flat_oss_step.svg \
 	    chapters/figures/diagrams/zero2_where_gradients_go.svg chapters/figures/diagrams/sdp_buckets.svg chapters/figures/diagrams/sdp_bucket_size.svg \
+	    chapters/figures/diagrams/sdp_owner_buckets_contract.svg \
 	    chapters/figures/diagrams/road.svg \
 	    chapters/figures/diagrams/rank_memory.svg chapters/figures/diagrams/step_memory.svg chapters/figures/diagrams/launch_ranks.svg \
 	    chapters/figures/diagrams/memory_terms.svg \

@@ -1,10 +1,11 @@
 """Chapter 4's diagrams: where the averaged gradients go under an all-reduce, a reduce to their owner and a
-reduce-scatter; how ShardedDataParallel packs its buckets, one owner each; and what the bucket size
-(reduce_buffer_size) trades within a node and across nodes.
+reduce-scatter; how ShardedDataParallel packs its buckets, one owner each; what the bucket size
+(reduce_buffer_size) trades within a node and across nodes; and exercise 4.3's contract, the gradients that
+wait unsent under one cap among the open buckets and under a whole cap for each owner's bucket.
 
 What they show of the code is written here as data (the example's owners, from OSS's partition, and its
 buckets, from ShardedDataParallel._bucket_groups), and tests/test_diagrams_ch04.py checks it against the
-package.
+package (tests/test_diagrams_ch04_exercise.py the contract figure, in real backward passes).
 """
 
 from __future__ import annotations
@@ -179,4 +180,94 @@ def sdp_bucket_size() -> Canvas:
     return c
 
 
-DIAGRAMS = (zero2_where_gradients_go, sdp_buckets, sdp_bucket_size)
+# -- exercise 4.3's contract: gradients waiting to be sent ---------------------------------------------------------------
+# Twelve parameters of 1 KiB at N = 2, registered w1..w12; backward produces w12 first. OSS's partition deals them
+# out in turn (w12, w10, ... to rank 1). Under a 4 KiB cap, two designs of owner buckets (bucket parameters in
+# the order they arrive, buckets in launch order): the open buckets sharing one cap (the package's), and a whole
+# cap for each owner's bucket. tests/test_diagrams_ch04_exercise.py runs both in a real backward and checks the
+# owners, the buckets and, at each arrival, what contract_waiting says.
+CONTRACT_GRADIENTS = tuple(f"w{i}" for i in range(12, 0, -1))  # backward's order
+CONTRACT_OWNERS = {f"w{i}": (i + 1) % 2 for i in range(1, 13)}
+CONTRACT_BYTES, CONTRACT_CAP = 1024, 4096
+CONTRACT_DESIGNS = {
+    "one cap among the open buckets": [("w12", "w10"), ("w11", "w9", "w7"), ("w8", "w6", "w4"), ("w5", "w3", "w1"),
+                                       ("w2",)],
+    "a whole cap for each owner's bucket": [("w12", "w10", "w8", "w6"), ("w11", "w9", "w7", "w5"), ("w4", "w2"),
+                                            ("w3", "w1")],
+}
+
+
+def contract_waiting(buckets):
+    """At each gradient's arrival, once the buckets it lets go are sent: (the buckets sent then, the bytes of
+    each rank's gradients computed and not yet sent). A bucket goes when its last gradient is in and every
+    bucket listed before it has gone."""
+    arrived, sent, rows = set(), 0, []
+    for g in CONTRACT_GRADIENTS:
+        arrived.add(g)
+        first = sent
+        while sent < len(buckets) and arrived.issuperset(buckets[sent]):
+            sent += 1
+        waiting = [0, 0]
+        for b in buckets[sent:]:
+            for q in arrived.intersection(b):
+                waiting[CONTRACT_OWNERS[q]] += CONTRACT_BYTES
+        rows.append((tuple(range(first, sent)), tuple(waiting)))
+    return rows
+
+
+def sdp_owner_buckets_contract() -> Canvas:
+    limit = CONTRACT_CAP + CONTRACT_BYTES
+    kib = lambda b: f"{b // 1024} KiB"  # noqa: E731
+    peaks = {name: max(sum(w) for _, w in contract_waiting(b)) for name, b in CONTRACT_DESIGNS.items()}
+    (right, right_peak), (wrong, wrong_peak) = peaks.items()
+    c = Canvas("sdp_owner_buckets_contract", 474, "Exercise 4.3's contract: the gradients waiting to be sent stay "
+               "within one cap plus the largest gradient",
+               f"Twelve gradients of 1 KiB arrive in backward's order, w12 to w1, owned in turn by rank 1 and rank 0; "
+               f"the cap is {kib(CONTRACT_CAP)}, so at most {kib(limit)} may wait unsent. Under each arrival, a bar "
+               f"of the gradients computed and not yet sent, split by owner, and the buckets sent then. With "
+               f"{right}, {len(CONTRACT_DESIGNS[right])} buckets, at most {kib(right_peak)} wait. With {wrong}, "
+               f"{len(CONTRACT_DESIGNS[wrong])} buckets give the same averages, but {kib(wrong_peak)} wait after "
+               f"the sixth gradient: over the limit. A bucket goes once its last gradient is in and every bucket "
+               f"before it has gone, so the buckets are listed in the order they close.")
+    x0, col, unit = 96, 41, 11  # the columns of the twelve arrivals; a bar's pixels per KiB
+    xs = [x0 + i * col for i in range(len(CONTRACT_GRADIENTS))]
+    right_edge = xs[-1] + col
+    c.text(10, 18, f"twelve gradients of 1 KiB, in the order backward produces them; the cap {kib(CONTRACT_CAP)}",
+           bold=True)
+    c.text(x0 - 8, 45, "arrives", anchor="end", size=MIN_FONT)
+    for x, g in zip(xs, CONTRACT_GRADIENTS):
+        c.box(x + 2, 28, col - 4, 26, g, RANKS[CONTRACT_OWNERS[g]], size=MIN_FONT)
+    y = 84
+    for name, buckets in CONTRACT_DESIGNS.items():
+        rows = contract_waiting(buckets)
+        c.text(10, y, f"{name}: {len(buckets)} buckets, at most {kib(peaks[name])} wait", bold=True)
+        base = y + 12 + 7 * unit
+        top = base - (limit // 1024) * unit
+        c.line(x0, top, right_edge, top, dash=True)
+        c.text(right_edge + 6, top + 5, f"{kib(limit)} limit", size=MIN_FONT)
+        c.line(x0, base, right_edge, base)
+        c.text(x0 - 8, base + 19, "KiB waiting", anchor="end", size=MIN_FONT)
+        c.text(x0 - 8, base + 39, "sent", anchor="end", size=MIN_FONT)
+        for x, (sent, waiting) in zip(xs, rows):
+            h = base
+            for rank, nbytes in enumerate(waiting):
+                if nbytes:
+                    c.rect(x + 8, h - nbytes // 1024 * unit, col - 16, nbytes // 1024 * unit, fill=RANKS[rank])
+                    h -= nbytes // 1024 * unit
+            c.text(x + col / 2, base + 19, str(sum(waiting) // 1024), anchor="middle", size=MIN_FONT,
+                   bold=sum(waiting) > limit)
+            if sent:
+                c.text(x + col / 2, base + 39, " ".join(f"b{k}" for k in sent), anchor="middle", size=MIN_FONT)
+        y = base + 70
+    for s in ("A bucket goes once its last gradient is in and every bucket listed before it has gone: list them",
+              "in the order they close. Any policy whose bars stay under the line passes, whether a bucket closes",
+              "before or after the gradient that crosses the cap joins it."):
+        c.text(10, y, s, size=MIN_FONT)
+        y += 18
+    y += 10
+    x = swatch(c, 10, y, RANKS[0], "rank 0's gradients") + 16
+    swatch(c, x, y, RANKS[1], "rank 1's gradients")
+    return c
+
+
+DIAGRAMS = (zero2_where_gradients_go, sdp_buckets, sdp_bucket_size, sdp_owner_buckets_contract)
