@@ -1,6 +1,6 @@
 """Grading: score a submission chapter by chapter, and exercise by exercise, on the reference's tests.
 
-    python -m minifsdp grade my_copy [--reference REF] [--chapters 6,7] [--json F] [--gradescope F] [--junit DIR]
+    python -m minifsdp grade ../my_copy [--reference REF] [--chapters 6,7] [--json F] [--gradescope F] [--junit DIR]
     python -m minifsdp grade-all submissions/ [--chapters 6,7] [--out grades]
 
 The submission supplies only the code between its exercise markers (assemble.py builds the copy that is

@@ -15,8 +15,8 @@ between them by one line
 so the package still imports, and that chapter's tests (tests/test_chNN_*.py) fail until the student
 writes the code back -- between the markers, which is where the grader (grade.py) takes it from:
 
-    python -m minifsdp student my_copy              # every exercise removed (--only 1.2, --chapters 6,7)
-    python -m minifsdp grade my_copy
+    python -m minifsdp student ../my_copy           # every exercise removed (--only 1.2, --chapters 6,7)
+    python -m minifsdp grade ../my_copy
 
 A student copy holds what git would commit (tracked and untracked files, nothing ignored) when the
 project is a git work tree, and otherwise the project's files less caches and build outputs; never the

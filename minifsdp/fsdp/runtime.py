@@ -308,7 +308,7 @@ class FSDPUnit(nn.Module):
             return grad
         self.training_state = TrainingState.PRE_BACKWARD
         state = self.root_state
-        # BEGIN EXERCISE 6.2: queue finish_backward once; start our all-gather
+        # BEGIN EXERCISE 6.2: end backward once; gather this unit
         if not state.callback_queued:
             state.callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(
