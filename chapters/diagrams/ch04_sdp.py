@@ -251,9 +251,10 @@ def sdp_owner_buckets_contract() -> Canvas:
         for x, (sent, waiting) in zip(xs, rows):
             h = base
             for rank, nbytes in enumerate(waiting):
-                if nbytes:
-                    c.rect(x + 8, h - nbytes // 1024 * unit, col - 16, nbytes // 1024 * unit, fill=RANKS[rank])
-                    h -= nbytes // 1024 * unit
+                px = nbytes // 1024 * unit
+                if px:
+                    c.rect(x + 8, h - px, col - 16, px, fill=RANKS[rank])
+                    h -= px
             c.text(x + col / 2, base + 19, str(sum(waiting) // 1024), anchor="middle", size=MIN_FONT,
                    bold=sum(waiting) > limit)
             if sent:
